@@ -1,0 +1,78 @@
+"""Running TensorFlow in fresh processes, bounded in time, nothing left over.
+
+TensorFlow fixes its device layout and collective configuration once per
+process, so tests that need N simulated devices or N workers run them here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tfmulti import cluster as cluster_lib
+
+
+def _start(argv, env):
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _kill(proc):
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def run_python(args, *, timeout=300, env=None, check=True):
+    """Runs `python ARGS` and returns (returncode, output)."""
+    proc = _start([sys.executable, *args], dict(os.environ, **(env or {})))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        raise AssertionError(f"python {args} ran past {timeout}s")
+    finally:
+        _kill(proc)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"python {args} exited {proc.returncode}:\n"
+                             f"{out[-4000:]}")
+    return proc.returncode, out
+
+
+def run_workers(args, num_workers, *, timeout=300, env=None, check=True):
+    """Runs `python ARGS` as `num_workers` workers of a loopback cluster.
+
+    Each worker gets its own TF_CONFIG on free ports. Returns a list of
+    (returncode, output) in worker order. All workers are killed on timeout.
+    """
+    procs = []
+    try:
+        for tf_config in cluster_lib.local_cluster(num_workers):
+            procs.append(_start(
+                [sys.executable, *args],
+                dict(os.environ, **(env or {}),
+                     TF_CONFIG=json.dumps(tf_config))))
+        results = []
+        for i, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"worker {i} of python {args} ran past {timeout}s")
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            _kill(proc)
+    if check:
+        for i, (rc, out) in enumerate(results):
+            if rc != 0:
+                raise AssertionError(f"worker {i} exited {rc}:\n{out[-4000:]}")
+    return results
+

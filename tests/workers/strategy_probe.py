@@ -1,0 +1,44 @@
+"""Creates every strategy on N simulated CPU devices and reports what it got.
+
+Usage: strategy_probe.py N  (prints one JSON line prefixed with RESULT)
+"""
+
+import json
+import sys
+
+import tfmulti
+
+count = int(sys.argv[1])
+devices = tfmulti.simulate_devices(count)
+result = {"devices": devices, "created": {}, "errors": {}}
+for name in ("auto", "one_device", "mirrored"):
+    s = tfmulti.create_strategy(name, cluster=tfmulti.ClusterConfig())
+    result["created"][name] = [type(s).__name__, s.num_replicas_in_sync]
+s = tfmulti.create_strategy("mirrored", devices=devices[:1],
+                            all_reduce="reduce_to_one", pack_bytes=1 << 20,
+                            timeout_seconds=30)
+result["created"]["mirrored_subset"] = [type(s).__name__,
+                                        s.num_replicas_in_sync]
+opts = tfmulti.strategies.communication_options(s)
+result["options"] = [opts.bytes_per_pack, opts.timeout_seconds]
+for label, kwargs in {
+        "bad_name": dict(name="horovod"),
+        "bad_algorithm": dict(name="mirrored", all_reduce="ring"),
+        "nccl": dict(name="mirrored", all_reduce="nccl"),
+        "gpus": dict(name="mirrored", num_gpus=2),
+        "pack": dict(name="mirrored", pack_bytes=-1),
+        "timeout": dict(name="mirrored", timeout_seconds=0),
+}.items():
+    try:
+        tfmulti.create_strategy(**kwargs)
+        result["errors"][label] = None
+    except ValueError as e:
+        result["errors"][label] = str(e)
+try:
+    tfmulti.simulate_devices(count + 1)
+    result["errors"]["late"] = None
+except RuntimeError as e:
+    result["errors"]["late"] = str(e)
+# Same layout again is fine: nothing to change.
+result["again"] = len(tfmulti.simulate_devices(count))
+print("RESULT " + json.dumps(result))

@@ -1,0 +1,19 @@
+"""tfmulti: data-parallel training of Keras 3 models on TensorFlow.
+
+One flag moves a job from one device to N simulated CPU replicas, N GPUs
+(MirroredStrategy) or N hosts (MultiWorkerMirroredStrategy), with the same
+results as one device.
+"""
+
+from tfmulti.cluster import ClusterConfig, cluster_config
+from tfmulti.devices import simulate_devices
+from tfmulti.strategies import create_strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterConfig",
+    "cluster_config",
+    "create_strategy",
+    "simulate_devices",
+]

@@ -1,0 +1,239 @@
+"""create_strategy: one name -> a tf.distribute.Strategy that works with Keras 3.
+
+The strategy also carries the communication options (algorithm, pack size,
+timeout) so that tfmulti's explicit gradient reduction uses the same ones the
+user asked for, on MirroredStrategy too, which has no place for them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import tensorflow as tf
+
+from tfmulti import cluster as cluster_lib
+
+STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
+MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
+MULTI_WORKER_ALL_REDUCE = ("auto", "ring", "nccl")
+
+_IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+
+_log = logging.getLogger(__name__)
+
+
+def _keras_major() -> int:
+    return int(keras.__version__.split(".")[0])
+
+
+class _KerasMultiWorkerMirroredStrategy(
+        tf.distribute.MultiWorkerMirroredStrategy):
+    """MultiWorkerMirroredStrategy whose `reduce` accepts what Keras 3 passes.
+
+    Keras 3's TF trainer (checked up to 3.15) calls `strategy.reduce("MEAN",
+    batch, axis=None)` on the nested (x, y) batch while building the model,
+    and `strategy.reduce("MEAN", logs, axis=0)` on scalar logs after every
+    step. The stock strategy reduces neither ("Attempt to convert a value
+    (PerReplica ...) to a Tensor"; "Invalid reduction dimension 0 for input
+    with 0 dimensions", keras-team/keras#20585). Here `reduce` maps over
+    nested structures and reduces rank-0 values across replicas only, which
+    is what a mean over axis 0 of a scalar per replica means.
+    """
+
+    def reduce(self, reduce_op, value, axis=None):
+        reduce_one = super().reduce
+
+        def one(v):
+            if axis is not None and _rank(self, v) == 0:
+                return reduce_one(reduce_op, v, axis=None)
+            return reduce_one(reduce_op, v, axis=axis)
+
+        return tf.nest.map_structure(one, value)
+
+
+def _rank(strategy, value):
+    local = strategy.experimental_local_results(value)
+    return local[0].shape.rank if local else None
+
+
+def communication_options(strategy: tf.distribute.Strategy
+                          ) -> tf.distribute.experimental.CommunicationOptions:
+    """The communication options `create_strategy` attached to `strategy`.
+
+    A strategy made elsewhere gets TensorFlow's defaults.
+    """
+    return getattr(strategy, "_tfmulti_communication_options", None) or (
+        tf.distribute.experimental.CommunicationOptions())
+
+
+def _check_choice(arg: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"`{arg}` is {value!r}; valid values are "
+                         f"{list(choices)}.")
+    return value
+
+
+def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
+                    all_reduce: str = "auto", pack_bytes: int | None = None,
+                    timeout_seconds: float | None = None,
+                    cluster: cluster_lib.ClusterConfig | None = None
+                    ) -> tf.distribute.Strategy:
+    """Creates the distribution strategy named `name`.
+
+    Args:
+      name: "one_device", "mirrored" (N devices, one process), "multi_worker"
+        (N processes, TensorFlow's gRPC collectives) or "auto": multi_worker
+        when the cluster has more than one task, mirrored when more than one
+        local device, else one_device.
+      devices: device names for one_device / mirrored; default: the first
+        `num_gpus` GPUs, else every GPU, else every logical CPU.
+      num_gpus: how many local GPUs to use; more than present is an error.
+      all_reduce: the all-reduce algorithm. Mirrored: "nccl",
+        "hierarchical_copy", "reduce_to_one". Multi-worker: "ring", "nccl".
+        "auto" lets TensorFlow choose.
+      pack_bytes: pack gradients into chunks of this many bytes before the
+        all-reduce (fewer, larger collectives); None leaves it to TensorFlow.
+      timeout_seconds: fail a collective that waits longer than this (e.g. a
+        dead peer) instead of waiting forever.
+      cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
+        SLURM or Kubernetes from the environment).
+
+    Returns:
+      A `tf.distribute.Strategy`. For multi_worker it is a subclass of
+      `tf.distribute.MultiWorkerMirroredStrategy` under which Keras 3's
+      `model.fit` and `model.evaluate` work.
+
+    Raises:
+      ValueError: an unknown name or algorithm, a bad option, more GPUs than
+        present, or NCCL without GPUs.
+      RuntimeError: multi_worker created after TensorFlow ran other ops.
+    """
+    _check_choice("name", name, STRATEGY_NAMES)
+    if pack_bytes is not None and (isinstance(pack_bytes, bool) or not
+                                   isinstance(pack_bytes, int) or
+                                   pack_bytes < 0):
+        raise ValueError(f"`pack_bytes` should be a non-negative int or None, "
+                         f"got {pack_bytes!r}.")
+    if timeout_seconds is not None and not timeout_seconds > 0:
+        raise ValueError(f"`timeout_seconds` should be positive or None, got "
+                         f"{timeout_seconds!r}.")
+    if cluster is None:
+        cluster = cluster_lib.cluster_config()
+    if name == "auto":
+        if cluster.num_workers > 1:
+            name = "multi_worker"
+        elif len(devices if devices is not None else
+                 _local_devices(num_gpus)) > 1:
+            name = "mirrored"
+        else:
+            name = "one_device"
+        _log.info("tfmulti: strategy 'auto' chose %r", name)
+    valid = MULTI_WORKER_ALL_REDUCE if name == "multi_worker" else (
+        MIRRORED_ALL_REDUCE)
+    if all_reduce not in valid:
+        raise ValueError(
+            f"`all_reduce` is {all_reduce!r}; with strategy {name!r} valid "
+            f"values are {list(valid)}.")
+    if all_reduce == "nccl" and not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            "`all_reduce`='nccl' needs GPUs, and this machine has none. Use "
+            f"all_reduce='auto' (or {'ring' if name == 'multi_worker' else 'reduce_to_one'!r}).")
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=pack_bytes or 0, timeout_seconds=timeout_seconds,
+        implementation=_IMPLEMENTATIONS.get(all_reduce, _IMPLEMENTATIONS[
+            "auto"]))
+    if name == "multi_worker":
+        strategy = _multi_worker(cluster, num_gpus, options)
+    else:
+        if devices is None:
+            devices = _local_devices(num_gpus)
+        devices = list(devices)
+        if not devices:
+            raise ValueError("`devices` is empty; give at least one device.")
+        if name == "one_device":
+            if len(devices) > 1 and num_gpus is None:
+                devices = devices[:1]
+            elif len(devices) > 1:
+                raise ValueError(
+                    f"strategy 'one_device' uses one device but `num_gpus` is "
+                    f"{num_gpus}. Use strategy 'mirrored' for several.")
+            strategy = tf.distribute.OneDeviceStrategy(devices[0])
+        else:
+            strategy = tf.distribute.MirroredStrategy(
+                devices, cross_device_ops=_mirrored_ops(all_reduce))
+    strategy._tfmulti_communication_options = options
+    _log.info("tfmulti: %s with %d replica(s) in sync",
+              type(strategy).__name__, strategy.num_replicas_in_sync)
+    return strategy
+
+
+def _check_num_gpus(num_gpus, available):
+    if num_gpus is None:
+        return
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or (
+            num_gpus < 0):
+        raise ValueError(f"`num_gpus` should be a non-negative int, got "
+                         f"{num_gpus!r}.")
+    if num_gpus > available:
+        raise ValueError(
+            f"`num_gpus` is {num_gpus} but this machine has {available} "
+            "GPU(s) visible to TensorFlow. Ask for at most that many, or "
+            "check CUDA_VISIBLE_DEVICES and the CUDA install "
+            "(pip install 'tfmulti[gpu]').")
+
+
+def _local_devices(num_gpus):
+    gpus = tf.config.list_logical_devices("GPU")
+    _check_num_gpus(num_gpus, len(gpus))
+    if num_gpus is not None:
+        if num_gpus > 0:
+            return [d.name for d in gpus[:num_gpus]]
+    elif gpus:
+        return [d.name for d in gpus]
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _mirrored_ops(all_reduce):
+    # MirroredStrategy's ops take no communication options; tfmulti's own
+    # gradient reduction passes them per call (see communication_options).
+    if all_reduce == "nccl":
+        return tf.distribute.NcclAllReduce()
+    if all_reduce == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce()
+    if all_reduce == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice()
+    return None
+
+
+def _multi_worker(cluster, num_gpus, options):
+    if num_gpus is not None:
+        # Physical, not logical: listing logical devices would initialise
+        # the runtime before the strategy can configure collectives.
+        gpus = tf.config.list_physical_devices("GPU")
+        _check_num_gpus(num_gpus, len(gpus))
+        tf.config.set_visible_devices(gpus[:num_gpus], "GPU")
+    resolver = None
+    if cluster.cluster:
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({t: list(a)
+                                  for t, a in cluster.cluster.items()}),
+            task_type=cluster.task_type, task_id=cluster.task_index,
+            rpc_layer="grpc")
+    cls = (_KerasMultiWorkerMirroredStrategy if _keras_major() >= 3
+           else tf.distribute.MultiWorkerMirroredStrategy)
+    try:
+        return cls(cluster_resolver=resolver, communication_options=options)
+    except RuntimeError as e:
+        if "program startup" in str(e) or "initialized" in str(e):
+            raise RuntimeError(
+                "create_strategy('multi_worker') was called after TensorFlow "
+                "had started running operations, so its collective ops can no "
+                "longer be configured (tf#34568). Create the strategy first "
+                "thing in the program, before building models or datasets or "
+                f"running any TensorFlow op. TensorFlow said: {e}") from e
+        raise
