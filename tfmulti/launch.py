@@ -1,0 +1,237 @@
+"""tfmulti-launch: one command -> N local workers of a multi-worker job.
+
+    tfmulti-launch --workers 2 [--max_restarts R] [--timeout S] -- python -m recipes.keras_fit ...
+
+Each worker gets its own TF_CONFIG on free ports (loopback unless `--host`
+says otherwise), and every line it prints is prefixed with `[wI]`. A worker
+that fails takes the group down: MultiWorkerMirroredStrategy cannot continue
+with a peer missing, so the whole group is restarted (the job resumes from its
+checkpoints) while restarts remain. SIGINT/SIGTERM are forwarded to every
+worker, so a preempted launcher lets its workers save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tfmulti import cluster as cluster_lib
+
+# How long a worker gets to exit after SIGTERM before it is killed; long
+# enough for a preemption checkpoint of a small model.
+_GRACE_SECONDS = 30.0
+# After a worker died its peers cannot save (saving is collective), so they
+# are only given time to exit cleanly.
+_FAILURE_GRACE_SECONDS = 5.0
+_POLL_SECONDS = 0.1
+ATTEMPT_ENV = "TFMULTI_LAUNCH_ATTEMPT"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """How to run the group.
+
+    Attributes:
+      workers: number of worker processes.
+      max_restarts: how many times a failed group is started again.
+      timeout: seconds the whole job may take (all attempts); None = no limit.
+      host: the address the workers listen on.
+      grace_seconds: how long a worker has to exit after SIGTERM.
+    """
+
+    workers: int
+    max_restarts: int = 0
+    timeout: float | None = None
+    host: str = "127.0.0.1"
+    grace_seconds: float = _GRACE_SECONDS
+
+    def __post_init__(self):
+        if isinstance(self.workers, bool) or not isinstance(
+                self.workers, int) or self.workers < 1:
+            raise ValueError(f"`--workers` should be a positive integer, got "
+                             f"{self.workers!r}.")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"`--max_restarts` should be >= 0, got "
+                             f"{self.max_restarts!r}.")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"`--timeout` should be positive seconds, got "
+                             f"{self.timeout!r}.")
+
+
+class _Group:
+    """One attempt: N worker processes and the threads that relay output."""
+
+    def __init__(self, command, options, attempt):
+        self.procs = []
+        self._relays = []
+        for tf_config in cluster_lib.local_cluster(options.workers,
+                                                   host=options.host):
+            index = tf_config["task"]["index"]
+            env = dict(os.environ, TF_CONFIG=json.dumps(tf_config),
+                       PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+            # Own session: the worker and anything it starts are one process
+            # group that can be signalled and killed as a whole.
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            self.procs.append(proc)
+            relay = threading.Thread(target=_relay, args=(proc, index),
+                                     daemon=True)
+            relay.start()
+            self._relays.append(relay)
+
+    def first_failure(self):
+        """(index, returncode) of a worker that failed, else None."""
+        for i, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and code != 0:
+                return i, code
+        return None
+
+    def all_succeeded(self):
+        return all(p.poll() == 0 for p in self.procs)
+
+    def signal(self, signum):
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace_seconds):
+        """SIGTERM every worker, then SIGKILL what is left after the grace."""
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and any(
+                p.poll() is None for p in self.procs):
+            time.sleep(_POLL_SECONDS)
+        self.signal(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        for relay in self._relays:
+            relay.join(timeout=5)
+
+
+def _relay(proc, index):
+    prefix = f"[w{index}] ".encode()
+    for line in iter(proc.stdout.readline, b""):
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+    proc.stdout.close()
+
+
+def _describe(code):
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def launch(command: list[str], options: LaunchOptions) -> int:
+    """Runs `command` as a group of workers until it succeeds or gives up.
+
+    Args:
+      command: the program and its arguments, run once per worker.
+      options: a `LaunchOptions`.
+
+    Returns:
+      The exit code for the launcher: 0 when every worker of one attempt
+      exited 0; non-zero otherwise, after printing a one-line reason.
+    """
+    if not command:
+        raise ValueError("No command given: put it after `--`, e.g. "
+                         "tfmulti-launch --workers 2 -- python train.py")
+    deadline = None if options.timeout is None else (
+        time.monotonic() + options.timeout)
+    received = []
+
+    def forward(signum, frame):
+        del frame
+        received.append(signum)
+
+    previous = {s: signal.signal(s, forward)
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for attempt in range(options.max_restarts + 1):
+            group = _Group(command, options, attempt)
+            try:
+                while True:
+                    if received:
+                        # Forward first, so workers can checkpoint in the
+                        # grace period, then make sure they are gone.
+                        group.signal(received[0])
+                        group.stop(options.grace_seconds)
+                        _say(f"stopped by {signal.Signals(received[0]).name}")
+                        return 128 + received[0]
+                    failure = group.first_failure()
+                    if failure or group.all_succeeded():
+                        break
+                    if deadline is not None and time.monotonic() > deadline:
+                        group.stop(options.grace_seconds)
+                        _say(f"timed out after {options.timeout:g} s "
+                             f"(--timeout); stopped all workers")
+                        return 124
+                    time.sleep(_POLL_SECONDS)
+            finally:
+                group.stop(min(options.grace_seconds,
+                               _FAILURE_GRACE_SECONDS))
+            if failure is None:
+                return 0
+            index, code = failure
+            left = options.max_restarts - attempt
+            if left:
+                _say(f"worker {index} {_describe(code)}; restarting all "
+                     f"{options.workers} workers ({left} restart(s) left)")
+            else:
+                _say(f"worker {index} {_describe(code)}; giving up after "
+                     f"{options.max_restarts} restart(s)")
+                return code if code > 0 else 128 - code
+        raise AssertionError("unreachable")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _say(message):
+    print(f"tfmulti-launch: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tfmulti-launch` and `python -m tfmulti.launch`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
+    else:
+        command = []
+    parser = argparse.ArgumentParser(
+        prog="tfmulti-launch",
+        description="Run COMMAND as N local workers of a multi-worker job.",
+        usage="tfmulti-launch --workers N [--max_restarts R] [--timeout S] "
+              "[--host H] -- COMMAND ...")
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--max_restarts", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address workers listen on (default loopback)")
+    args = parser.parse_args(argv)
+    if not command:
+        parser.error("no COMMAND: put it after `--`")
+    try:
+        options = LaunchOptions(workers=args.workers,
+                                max_restarts=args.max_restarts,
+                                timeout=args.timeout, host=args.host)
+    except ValueError as e:
+        parser.error(str(e))
+    return launch(command, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
