@@ -46,19 +46,27 @@ def run_python(args, *, timeout=300, env=None, check=True):
     return proc.returncode, out
 
 
-def run_workers(args, num_workers, *, timeout=300, env=None, check=True):
+def run_workers(args, num_workers, *, timeout=300, env=None, check=True,
+                worker_env=None):
     """Runs `python ARGS` as `num_workers` workers of a loopback cluster.
 
-    Each worker gets its own TF_CONFIG on free ports. Returns a list of
-    (returncode, output) in worker order. All workers are killed on timeout.
+    Each worker gets its own TF_CONFIG on free ports, or, with
+    `worker_env(index) -> dict`, whatever environment describes the cluster
+    (SLURM's variables, say). Returns a list of (returncode, output) in
+    worker order. All workers are killed on timeout.
     """
+    if worker_env is None:
+        configs = cluster_lib.local_cluster(num_workers)
+
+        def worker_env(index):
+            return {"TF_CONFIG": json.dumps(configs[index])}
+
     procs = []
     try:
-        for tf_config in cluster_lib.local_cluster(num_workers):
+        for index in range(num_workers):
             procs.append(_start(
                 [sys.executable, *args],
-                dict(os.environ, **(env or {}),
-                     TF_CONFIG=json.dumps(tf_config))))
+                dict(os.environ, **(env or {}), **worker_env(index))))
         results = []
         for i, proc in enumerate(procs):
             try:
@@ -75,4 +83,3 @@ def run_workers(args, num_workers, *, timeout=300, env=None, check=True):
             if rc != 0:
                 raise AssertionError(f"worker {i} exited {rc}:\n{out[-4000:]}")
     return results
-

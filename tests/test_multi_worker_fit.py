@@ -2,7 +2,8 @@
 
 Two real worker processes on loopback against a single-process golden run
 over the same global batches: identical weights on both workers, and weights
-and per-epoch losses equal to the golden run within 1e-5.
+and per-epoch losses equal to the golden run within 1e-5. The cluster comes
+from TF_CONFIG, or from SLURM's variables alone.
 """
 
 import json
@@ -11,23 +12,25 @@ import numpy as np
 import pytest
 
 from tests.subproc import run_python, run_workers
+from tfmulti import cluster as cl
 
 TOLERANCE = 1e-5
+WORKER = "tests/workers/keras_fit_worker.py"
 
 
-@pytest.mark.slow
-def test_two_worker_fit_matches_one_device(tmp_path):
-    golden_out = tmp_path / "golden.json"
-    run_python(["tests/workers/keras_fit_worker.py", str(golden_out),
-                "one_device"], timeout=240)
-    worker_outs = [tmp_path / f"worker{i}.json" for i in range(2)]
-    # Each worker gets its own output path through an argument that only it
-    # reads: the worker index is in TF_CONFIG, so a shared template suffices.
-    run_workers(["tests/workers/keras_fit_worker.py",
-                 str(tmp_path / "worker{index}.json"), "multi_worker"], 2,
-                timeout=240)
-    golden = json.loads(golden_out.read_text())
-    workers = [json.loads(p.read_text()) for p in worker_outs]
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    out = tmp_path_factory.mktemp("golden") / "golden.json"
+    run_python([WORKER, str(out), "one_device"], timeout=240)
+    result = json.loads(out.read_text())
+    # Training moved the weights: equal weights are not equal by accident.
+    assert result["loss"][-1] < result["loss"][0]
+    return result
+
+
+def _assert_workers_match(tmp_path, golden):
+    workers = [json.loads((tmp_path / f"worker{i}.json").read_text())
+               for i in range(2)]
     assert [w["is_chief"] for w in workers] == [True, False]
     for a, b in zip(workers[0]["weights"], workers[1]["weights"]):
         np.testing.assert_array_equal(a, b)
@@ -39,5 +42,27 @@ def test_two_worker_fit_matches_one_device(tmp_path):
                                    atol=TOLERANCE)
         for a, b in zip(w["weights"], golden["weights"]):
             np.testing.assert_allclose(a, b, atol=TOLERANCE)
-    # Training moved the weights: equal weights are not equal by accident.
-    assert golden["loss"][-1] < golden["loss"][0]
+
+
+@pytest.mark.slow
+def test_two_worker_fit_matches_one_device(tmp_path, golden):
+    # '{index}' in the output path becomes each worker's TF_CONFIG index.
+    run_workers([WORKER, str(tmp_path / "worker{index}.json"),
+                 "multi_worker"], 2, timeout=240)
+    _assert_workers_match(tmp_path, golden)
+
+
+@pytest.mark.slow
+def test_two_slurm_tasks_match_one_device(tmp_path, golden):
+    port = cl.free_port()
+
+    def slurm_env(index):
+        # Two tasks on one node (this machine): ports base and base + 1.
+        return {"SLURM_PROCID": str(index), "SLURM_NTASKS": "2",
+                "SLURM_JOB_NODELIST": "127.0.0.1",
+                "SLURM_TASKS_PER_NODE": "2", "TFMULTI_PORT": str(port),
+                "TF_CONFIG": ""}
+
+    run_workers([WORKER, str(tmp_path / "worker{index}.json"),
+                 "multi_worker"], 2, timeout=240, worker_env=slurm_env)
+    _assert_workers_match(tmp_path, golden)
