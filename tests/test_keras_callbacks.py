@@ -1,0 +1,184 @@
+"""tfmulti.keras.callbacks: fault-tolerant fit with chief-only outputs.
+
+The slow test kills a real 2-worker job twice (after epoch 1, then in the
+middle of epoch 3) and restarts it; the resumed job must end with the weights
+of an uninterrupted single-device run over the same global batches.
+"""
+
+import json
+import os
+import pathlib
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import tfmulti
+from tests.subproc import run_python, run_workers
+from tfmulti.keras import callbacks as callbacks_fn
+from tfmulti.keras.callbacks import BackupAndRestore, worker_temp_dir
+
+TOLERANCE = 1e-5
+WORKER = "tests/workers/keras_backup_worker.py"
+KILLED = 3  # the worker's exit status when TFMULTI_TEST_EXIT_AT fires
+_EVENT_PID = re.compile(r"^events\.out\.tfevents\.\d+\.[^.]+\.(\d+)\.")
+
+
+def _run(tmp_path, name, exit_at):
+    results = run_workers(
+        [WORKER, str(tmp_path / f"{name}-{{index}}.json"), "multi_worker",
+         str(tmp_path / "model"), str(tmp_path / "scratch")], 2,
+        timeout=240, env={"TFMULTI_TEST_EXIT_AT": exit_at}, check=False)
+    expected = KILLED if exit_at else 0
+    for i, (rc, out) in enumerate(results):
+        assert rc == expected, f"worker {i} exited {rc}:\n{out[-4000:]}"
+    return [json.loads((tmp_path / f"{name}-{i}.json").read_text())
+            for i in range(2)]
+
+
+@pytest.mark.slow
+def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(tmp_path):
+    run_python([WORKER, str(tmp_path / "golden.json"), "one_device", "-",
+                "-"], timeout=240)
+    golden = json.loads((tmp_path / "golden.json").read_text())
+    model_dir = tmp_path / "model"
+    scratch = tmp_path / "scratch"
+
+    first = _run(tmp_path, "first", "0:end")
+    assert [w["restored"] for w in first] == [None, None]
+    # The non-chief wrote its share into its own scratch directory.
+    assert [p.name for p in scratch.iterdir()] == [
+        os.path.basename(worker_temp_dir(model_dir, cluster=tfmulti.
+                                         ClusterConfig(cluster={"worker": [
+                                             "h:1", "h:2"]}, task_index=1),
+                                         temp_root=scratch))]
+
+    second = _run(tmp_path, "second", "2:4")
+    assert [w["restored"] for w in second] == [[1, 0], [1, 0]]
+    assert [w["epochs_run"] for w in second] == [[1, 2], [1, 2]]
+
+    final = _run(tmp_path, "final", "")
+    # Backed up every 3 batches: killed after batch index 4 of epoch index
+    # 2, the job resumes after 3 batches of it and skips them.
+    assert [w["restored"] for w in final] == [[2, 3], [2, 3]]
+    assert [w["epochs_run"] for w in final] == [[2], [2]]
+    assert [w["iterations"] for w in final] == [golden["iterations"]] * 2
+    for a, b in zip(final[0]["weights"], final[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(final[0]["weights"], golden["weights"]):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
+
+    chief_pids = {str(r[0]["pid"]) for r in (first, second, final)}
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs"]
+    assert sorted(os.listdir(model_dir / "checkpoints")) == [
+        "model-0001.keras", "model-0002.keras", "model-0003.keras"]
+    events = os.listdir(model_dir / "logs" / "train")
+    assert {_EVENT_PID.match(e).group(1) for e in events} == chief_pids
+    assert list(scratch.iterdir()) == []
+
+    # The multi-worker job's .keras file loads in this single process, with
+    # its scaled learning-rate schedule.
+    loaded = keras.saving.load_model(model_dir / "checkpoints" /
+                                     "model-0003.keras")
+    for a, b in zip(loaded.get_weights(), final[0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    schedule = loaded.optimizer.get_config()["learning_rate"]
+    assert schedule["registered_name"] == "tfmulti>ScaledLearningRate"
+    assert schedule["config"]["warmup_steps"] == 10
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss="mse")
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    return (rng.normal(size=(32, 4)).astype("float32"),
+            rng.normal(size=(32, 2)).astype("float32"))
+
+
+def test_backup_falls_back_over_a_corrupt_or_partial_save(tmp_path):
+    x, y = _data()
+    backup_dir = tmp_path / "backup"
+    model = _model()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir, delete_on_end=False)])
+    assert sorted(os.listdir(backup_dir)) == ["state-0", "state-1"]
+    # A truncated newest backup, and a partial one a killed process left.
+    (backup_dir / "state-1" / "model.weights.h5").write_bytes(b"\x89HDF")
+    (backup_dir / ".state-2.abc").mkdir()
+
+    resumed = _model()
+    backup = BackupAndRestore(backup_dir, delete_on_end=False)
+    history = resumed.fit(x, y, batch_size=8, epochs=3, shuffle=False,
+                          verbose=0, callbacks=[backup])
+    assert backup.restored == (1, 0)
+    assert history.epoch == [1, 2]
+    assert not any(n.startswith(".") for n in os.listdir(backup_dir))
+    # Keras keeps `_initial_epoch` otherwise: a later fit would skip epochs.
+    assert resumed.fit(x, y, batch_size=8, epochs=1, verbose=0
+                       ).epoch == [0]
+
+
+def _paths(callback_list):
+    paths = {}
+    for c in callback_list:
+        if isinstance(c, BackupAndRestore):
+            paths["BackupAndRestore"] = (c.backup_dir, c.restore_dir)
+        elif isinstance(c, keras.callbacks.ModelCheckpoint):
+            paths["ModelCheckpoint"] = c.filepath
+        elif isinstance(c, keras.callbacks.TensorBoard):
+            paths["TensorBoard"] = c.log_dir
+        else:
+            paths[type(c).__name__] = c.path
+    return paths
+
+
+def test_only_the_chief_writes_to_model_dir(tmp_path):
+    model_dir, scratch = tmp_path / "model", tmp_path / "scratch"
+    workers = ["127.0.0.1:1", "127.0.0.1:2"]
+    chief = _paths(callbacks_fn(model_dir, temp_root=scratch,
+                                cluster=tfmulti.ClusterConfig(
+                                    cluster={"worker": workers})))
+    assert chief == {
+        "BackupAndRestore": (str(model_dir / "backup"),
+                             str(model_dir / "backup")),
+        "ModelCheckpoint": str(model_dir / "checkpoints" /
+                               "model-{epoch:04d}.keras"),
+        "TensorBoard": str(model_dir / "logs")}
+    other = tfmulti.ClusterConfig(cluster={"worker": workers}, task_index=1)
+    temp = pathlib.Path(worker_temp_dir(model_dir, cluster=other,
+                                        temp_root=scratch))
+    assert temp.parent == scratch and temp.name.endswith("-worker1")
+    temp.mkdir(parents=True)
+    (temp / "left-by-a-killed-run").write_text("")
+    assert _paths(callbacks_fn(model_dir, temp_root=scratch,
+                               cluster=other)) == {
+        "BackupAndRestore": (str(temp / "backup"), str(model_dir / "backup")),
+        "ModelCheckpoint": str(temp / "checkpoints" /
+                               "model-{epoch:04d}.keras"),
+        "TensorBoard": str(temp / "logs"),
+        "_RemoveDirectory": str(temp)}
+    assert not temp.exists()
+    assert [type(c).__name__ for c in callbacks_fn(
+        model_dir, backup=False, tensorboard=False)] == ["ModelCheckpoint"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"model_dir": ""}, "`model_dir`"),
+    ({"backup_freq": 0}, "`backup_freq` is 0"),
+    ({"backup_freq": "batch"}, "`backup_freq` is 'batch'"),
+    ({"checkpoint_name": "a/b.keras"}, "`checkpoint_name` is 'a/b.keras'"),
+    ({"checkpoint_options": {"filepath": "x.keras"}},
+     r"`checkpoint_options` sets \['filepath'\]"),
+    ({"tensorboard_options": ["log_dir"]}, "`tensorboard_options` should"),
+])
+def test_bad_arguments_name_the_argument(tmp_path, kwargs, match):
+    kwargs = {"model_dir": tmp_path, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        callbacks_fn(kwargs.pop("model_dir"), **kwargs)
