@@ -25,27 +25,51 @@ KILLED = 3  # the worker's exit status when TFMULTI_TEST_EXIT_AT fires
 _EVENT_PID = re.compile(r"^events\.out\.tfevents\.\d+\.[^.]+\.(\d+)\.")
 
 
-def _run(tmp_path, name, exit_at):
+def _check_exit(results, exit_at):
+    expected = KILLED if exit_at else 0
+    for i, (rc, out) in enumerate(results):
+        assert rc == expected, f"process {i} exited {rc}:\n{out[-4000:]}"
+
+
+def _run_workers(tmp_path, name, exit_at):
     results = run_workers(
         [WORKER, str(tmp_path / f"{name}-{{index}}.json"), "multi_worker",
          str(tmp_path / "model"), str(tmp_path / "scratch")], 2,
         timeout=240, env={"TFMULTI_TEST_EXIT_AT": exit_at}, check=False)
-    expected = KILLED if exit_at else 0
-    for i, (rc, out) in enumerate(results):
-        assert rc == expected, f"worker {i} exited {rc}:\n{out[-4000:]}"
+    _check_exit(results, exit_at)
     return [json.loads((tmp_path / f"{name}-{i}.json").read_text())
             for i in range(2)]
 
 
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    """The uninterrupted run on one device over the same global batches."""
+    out = tmp_path_factory.mktemp("golden") / "golden.json"
+    run_python([WORKER, str(out), "one_device", "-", "-"], timeout=240)
+    return json.loads(out.read_text())
+
+
+def _assert_resumed_to(golden, final):
+    # Backed up every 3 batches: killed after batch index 4 of epoch index
+    # 2, the job resumes after 3 batches of it and skips them.
+    assert [w["restored"] for w in final] == [[2, 3]] * len(final)
+    assert [w["epochs_run"] for w in final] == [[2]] * len(final)
+    assert [w["iterations"] for w in final] == [golden["iterations"]] * len(
+        final)
+    for other in final[1:]:
+        for a, b in zip(final[0]["weights"], other["weights"]):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(final[0]["weights"], golden["weights"]):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
+
+
 @pytest.mark.slow
-def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(tmp_path):
-    run_python([WORKER, str(tmp_path / "golden.json"), "one_device", "-",
-                "-"], timeout=240)
-    golden = json.loads((tmp_path / "golden.json").read_text())
+def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(
+        tmp_path, golden):
     model_dir = tmp_path / "model"
     scratch = tmp_path / "scratch"
 
-    first = _run(tmp_path, "first", "0:end")
+    first = _run_workers(tmp_path, "first", "0:end")
     assert [w["restored"] for w in first] == [None, None]
     # The non-chief wrote its share into its own scratch directory.
     assert [p.name for p in scratch.iterdir()] == [
@@ -54,20 +78,12 @@ def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(tmp_path):
                                              "h:1", "h:2"]}, task_index=1),
                                          temp_root=scratch))]
 
-    second = _run(tmp_path, "second", "2:4")
+    second = _run_workers(tmp_path, "second", "2:4")
     assert [w["restored"] for w in second] == [[1, 0], [1, 0]]
     assert [w["epochs_run"] for w in second] == [[1, 2], [1, 2]]
 
-    final = _run(tmp_path, "final", "")
-    # Backed up every 3 batches: killed after batch index 4 of epoch index
-    # 2, the job resumes after 3 batches of it and skips them.
-    assert [w["restored"] for w in final] == [[2, 3], [2, 3]]
-    assert [w["epochs_run"] for w in final] == [[2], [2]]
-    assert [w["iterations"] for w in final] == [golden["iterations"]] * 2
-    for a, b in zip(final[0]["weights"], final[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(final[0]["weights"], golden["weights"]):
-        np.testing.assert_allclose(a, b, atol=TOLERANCE)
+    final = _run_workers(tmp_path, "final", "")
+    _assert_resumed_to(golden, final)
 
     chief_pids = {str(r[0]["pid"]) for r in (first, second, final)}
     assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs"]
@@ -86,6 +102,25 @@ def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(tmp_path):
     schedule = loaded.optimizer.get_config()["learning_rate"]
     assert schedule["registered_name"] == "tfmulti>ScaledLearningRate"
     assert schedule["config"]["warmup_steps"] == 10
+
+
+@pytest.mark.slow
+def test_killed_mirrored_fit_resumes_mid_epoch(tmp_path, golden):
+    runs = {}
+    for name, exit_at in (("first", "0:end"), ("second", "2:4"),
+                          ("final", "")):
+        out = tmp_path / f"{name}.json"
+        results = [run_python(
+            [WORKER, str(out), "mirrored", str(tmp_path / "model"),
+             str(tmp_path / "scratch")], timeout=240, check=False,
+            env={"TFMULTI_TEST_EXIT_AT": exit_at,
+                 "TFMULTI_TEST_DEVICES": "2"})]
+        _check_exit(results, exit_at)
+        runs[name] = json.loads(out.read_text())
+    assert runs["final"]["replicas"] == 2
+    assert runs["second"]["restored"] == [1, 0]
+    _assert_resumed_to(golden, [runs["final"]])
+    assert not (tmp_path / "scratch").exists()
 
 
 def _model():

@@ -5,7 +5,8 @@ Usage: keras_backup_worker.py OUT_JSON STRATEGY MODEL_DIR TEMP_ROOT
 without callbacks: the uninterrupted golden run.)
 TFMULTI_TEST_EXIT_AT="EPOCH:end" or "EPOCH:BATCH" (0-based) makes the
 process exit with status 3 right after that epoch or batch, as a killed job
-would: no cleanup, no Python exit handlers.
+would: no cleanup, no Python exit handlers. TFMULTI_TEST_DEVICES=N splits
+the CPU into N logical devices first (for STRATEGY=mirrored).
 """
 
 import json
@@ -17,6 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tfmulti  # noqa: E402
 
 out, name, model_dir, temp_root = sys.argv[1:5]
+if os.environ.get("TFMULTI_TEST_DEVICES"):
+    tfmulti.simulate_devices(int(os.environ["TFMULTI_TEST_DEVICES"]))
 strategy = tfmulti.create_strategy(name)
 cluster = tfmulti.cluster_config()
 out = out.format(index=cluster.task_index)
@@ -87,7 +90,8 @@ backup = next((c for c in callbacks if hasattr(c, "restored")), None)
 
 def report():
     with open(out, "w") as f:
-        json.dump({"is_chief": cluster.is_chief, "pid": os.getpid(),
+        json.dump({"replicas": strategy.num_replicas_in_sync,
+                   "is_chief": cluster.is_chief, "pid": os.getpid(),
                    "epochs_run": epochs_run,
                    "restored": backup.restored if backup else None,
                    "iterations": int(model.optimizer.iterations.numpy()),
