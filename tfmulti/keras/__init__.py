@@ -1,4 +1,4 @@
-"""Keras `model.fit` under tfmulti's strategies: callbacks and sync batch norm."""
+"""Keras `model.fit` under tfmulti's strategies."""
 
 from tfmulti.keras.callbacks import callbacks
 from tfmulti.keras.sync_batchnorm import sync_batchnorm
