@@ -307,7 +307,8 @@ def callbacks(model_dir, *, backup: bool = True, checkpoint: bool = True,
 
     Args:
       model_dir: the job's output directory, shared by all workers (they
-        restore from the chief's backup in it).
+        restore from the chief's backup in it) on a filesystem with atomic
+        renames (local or NFS, not an object store).
       backup: add `BackupAndRestore` (resume after a failure).
       checkpoint: add `keras.callbacks.ModelCheckpoint`.
       tensorboard: add `keras.callbacks.TensorBoard`.
