@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 
 import keras
 import numpy as np
@@ -77,6 +78,19 @@ def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(
                                          ClusterConfig(cluster={"worker": [
                                              "h:1", "h:2"]}, task_index=1),
                                          temp_root=scratch))]
+
+    # Workers that do not see the same backup (model_dir not shared) stop
+    # with an error instead of training out of step and deadlocking.
+    shutil.copytree(model_dir, tmp_path / "unshared" / "0")
+    for rc, out in run_workers(
+            [WORKER, str(tmp_path / "unshared-{index}.json"), "multi_worker",
+             str(tmp_path / "unshared" / "{index}"),
+             str(tmp_path / "unshared-scratch")], 2, timeout=240,
+            check=False):
+        assert rc != 0 and "do not read the same backup" in out, out[-4000:]
+    # The non-chief had written its TensorBoard file there; its exit
+    # handler removed its directory after the error.
+    assert list((tmp_path / "unshared-scratch").iterdir()) == []
 
     second = _run_workers(tmp_path, "second", "2:4")
     assert [w["restored"] for w in second] == [[1, 0], [1, 0]]

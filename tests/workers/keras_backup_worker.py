@@ -1,8 +1,8 @@
 """One process of the kill-and-restart test of tfmulti.keras.callbacks.
 
 Usage: keras_backup_worker.py OUT_JSON STRATEGY MODEL_DIR TEMP_ROOT
-('{index}' in OUT_JSON becomes the worker index; MODEL_DIR '-' trains
-without callbacks: the uninterrupted golden run.)
+('{index}' in OUT_JSON and MODEL_DIR becomes the worker index; MODEL_DIR
+'-' trains without callbacks: the uninterrupted golden run.)
 TFMULTI_TEST_EXIT_AT="EPOCH:end" or "EPOCH:BATCH" (0-based) makes the
 process exit with status 3 right after that epoch or batch, as a killed job
 would: no cleanup, no Python exit handlers. TFMULTI_TEST_DEVICES=N splits
@@ -23,6 +23,7 @@ if os.environ.get("TFMULTI_TEST_DEVICES"):
 strategy = tfmulti.create_strategy(name)
 cluster = tfmulti.cluster_config()
 out = out.format(index=cluster.task_index)
+model_dir = model_dir.format(index=cluster.task_index)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
