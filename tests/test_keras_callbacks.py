@@ -137,11 +137,11 @@ def test_killed_mirrored_fit_resumes_mid_epoch(tmp_path, golden):
     assert not (tmp_path / "scratch").exists()
 
 
-def _model():
+def _model(steps_per_execution=1):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss="mse")
+                  loss="mse", steps_per_execution=steps_per_execution)
     return model
 
 
@@ -172,6 +172,44 @@ def test_backup_falls_back_over_a_corrupt_or_partial_save(tmp_path):
     # Keras keeps `_initial_epoch` otherwise: a later fit would skip epochs.
     assert resumed.fit(x, y, batch_size=8, epochs=1, verbose=0
                        ).epoch == [0]
+
+
+class _Killed(Exception):
+    pass
+
+
+class _KillAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise _Killed()
+
+
+def test_mid_epoch_resume_skips_whole_executions(tmp_path):
+    # With steps_per_execution=2 every call trains 2 batches, so backups
+    # fall on even batch counts and the resume skips 2 batches per call.
+    x, y = _data()
+    fit = {"x": x, "y": y, "batch_size": 4, "epochs": 2, "shuffle": False,
+           "verbose": 0}
+    golden = _model(steps_per_execution=2)
+    golden.fit(**fit)
+    with pytest.raises(_Killed):
+        _model(steps_per_execution=2).fit(**fit, callbacks=[
+            BackupAndRestore(tmp_path, save_freq=2), _KillAt(1, 5)])
+    resumed = _model(steps_per_execution=2)
+    backup = BackupAndRestore(tmp_path, save_freq=2)
+    assert resumed.fit(**fit, callbacks=[backup]).epoch == [1]
+    assert backup.restored == (1, 6)
+    assert int(resumed.optimizer.iterations) == int(
+        golden.optimizer.iterations) == 16
+    for a, b in zip(resumed.get_weights(), golden.get_weights()):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
 
 
 def _paths(callback_list):
