@@ -70,7 +70,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       backup_dir: where this process writes its backups.
       restore_dir: where to read backups from; default `backup_dir`.
       save_freq: "epoch", or an int N: back up every N batches and at the
-        end of every epoch.
+        end of every epoch. With `steps_per_execution` K > 1, Keras reports
+        batches K at a time; a multiple of K backs up every N batches.
       delete_on_end: remove `backup_dir` when `fit` completes.
       num_workers: training processes of the job (1 skips the agreement
         check).
@@ -137,11 +138,15 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self._skipper is not None:
-            if self._skipper.remaining > 0:
-                return
-            self._unwrap()
-        if self.save_freq != "epoch" and (batch + 1) % self.save_freq == 0:
-            self._save(self._epoch, batch + 1)
+            # Until the skipped batches are behind, the weights are still
+            # the restored ones: nothing new to back up.
+            if not self._skipper.remaining:
+                self._unwrap()
+            return
+        done = batch + 1
+        if (self.save_freq != "epoch" and done % self.save_freq == 0 and
+                done != self.params.get("steps")):
+            self._save(self._epoch, done)
 
     def on_epoch_end(self, epoch, logs=None):
         self._unwrap()
@@ -176,8 +181,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             shutil.rmtree(old, ignore_errors=True)
         for name in os.listdir(self.backup_dir):
             # Partial backups of a process that was killed while writing.
-            if name.startswith(".state-") and os.path.join(
-                    self.backup_dir, name) != partial:
+            if name.startswith(".state-"):
                 shutil.rmtree(os.path.join(self.backup_dir, name),
                               ignore_errors=True)
 
