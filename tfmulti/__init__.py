@@ -5,8 +5,10 @@ One flag moves a job from one device to N simulated CPU replicas, N GPUs
 results as one device.
 """
 
+from tfmulti import keras
 from tfmulti.cluster import ClusterConfig, cluster_config
 from tfmulti.devices import simulate_devices
+from tfmulti.schedules import scaled_learning_rate
 from tfmulti.strategies import create_strategy
 
 __version__ = "0.1.0"
@@ -15,5 +17,7 @@ __all__ = [
     "ClusterConfig",
     "cluster_config",
     "create_strategy",
+    "keras",
+    "scaled_learning_rate",
     "simulate_devices",
 ]
