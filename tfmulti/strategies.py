@@ -49,16 +49,22 @@ class _KerasMultiWorkerMirroredStrategy(
         reduce_one = super().reduce
 
         def one(v):
-            if axis is not None and _rank(self, v) == 0:
-                return reduce_one(reduce_op, v, axis=None)
-            return reduce_one(reduce_op, v, axis=axis)
+            local = self.experimental_local_results(v)[0]
+            one_axis = None if local.shape.rank == 0 else axis
+            if local.dtype in _COLLECTIVE_DTYPES:
+                return reduce_one(reduce_op, v, axis=one_axis)
+            # The first batch Keras reduces is often uint8 images, which
+            # CollectiveReduceV2 has no kernel for: reduce in float32.
+            as_float = self.run(lambda t: tf.cast(t, tf.float32), args=(v,))
+            return tf.cast(reduce_one(reduce_op, as_float, axis=one_axis),
+                           local.dtype)
 
         return tf.nest.map_structure(one, value)
 
 
-def _rank(strategy, value):
-    local = strategy.experimental_local_results(value)
-    return local[0].shape.rank if local else None
+# What CollectiveReduceV2 can carry on every device type.
+_COLLECTIVE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
+                      tf.int32, tf.int64)
 
 
 def communication_options(strategy: tf.distribute.Strategy

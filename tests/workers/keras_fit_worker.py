@@ -25,12 +25,15 @@ import tensorflow as tf  # noqa: E402
 
 GLOBAL_BATCH = 32
 rng = np.random.default_rng(0)
-x = rng.normal(size=(256, 8)).astype("float32")
+# uint8 features, as images come: the strategy must reduce a uint8 batch
+# while Keras builds the model (collectives have no uint8 kernel).
+x = rng.integers(0, 256, size=(256, 8)).astype("uint8")
 y = rng.integers(0, 3, size=(256,)).astype("int32")
 
 with strategy.scope():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)),
+    model = keras.Sequential([keras.Input((8,), dtype="uint8"),
+                              keras.layers.Rescaling(1 / 128.0, offset=-1.0),
                               keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(3)])
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
