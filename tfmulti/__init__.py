@@ -6,6 +6,7 @@ results as one device.
 """
 
 from tfmulti.cluster import ClusterConfig, cluster_config
+from tfmulti.data import distribute_dataset, tfds_dataset_fn
 from tfmulti.devices import simulate_devices
 from tfmulti.strategies import create_strategy
 
@@ -15,5 +16,7 @@ __all__ = [
     "ClusterConfig",
     "cluster_config",
     "create_strategy",
+    "distribute_dataset",
     "simulate_devices",
+    "tfds_dataset_fn",
 ]
