@@ -19,7 +19,7 @@ _log = logging.getLogger(__name__)
 
 
 class FilesDatasetFn(sharding_lib.ShardedDatasetFn):
-    """Reads record files, sharded per input pipeline (see `files_dataset_fn`)."""
+    """Reads record files sharded per input pipeline; see `files_dataset_fn`."""
 
     def __init__(self, files: Sequence[str], *, reader: Callable,
                  parse_fn: Callable | None, examples_per_file, sharding: str):
