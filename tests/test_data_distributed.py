@@ -47,6 +47,10 @@ def test_mirrored_three_replicas_eval_equals_one_device(golden, tmp_path):
     # 1001 / (3 x 16) -> 21 steps, the last one partly padding.
     assert result["steps"] == 21
     _check_against_golden(result, golden)
+    # The strategy's replica count reaches the batch check.
+    assert "`global_batch_size`=50 is not divisible by the 3 replicas" in (
+        result["batch_error"])
+    assert "e.g. 48 or 51" in result["batch_error"]
 
 
 @pytest.mark.slow

@@ -160,6 +160,27 @@ def test_bad_options_and_elements_are_refused():
     with pytest.raises(ValueError, match="infinite dataset"):
         build_pipeline(lambda c: _range_fn(4)(c).repeat(), ctx,
                        PipelineOptions(global_batch_size=2, training=False))
+    with pytest.raises(ValueError, match=r"`cache`=True but `dataset_fn` "
+                       r"returned an infinite dataset"):
+        build_pipeline(lambda c: _range_fn(4)(c).repeat(), ctx,
+                       PipelineOptions(global_batch_size=2, cache=True))
+
+
+def test_infinite_training_source_streams_and_batched_source_warns(caplog):
+    ctx = _contexts(2, 1)[1]
+    with caplog.at_level(logging.WARNING):
+        infinite = build_pipeline(
+            lambda c: _range_fn(5)(c).repeat(), ctx,
+            PipelineOptions(global_batch_size=4, shuffle_buffer=0))
+    # Pipeline 1 takes the odd positions of the repeated stream.
+    labels = [l for _, b in infinite.take(6).as_numpy_iterator() for l in b]
+    assert labels == [(2 * k + 1) % 5 for k in range(12)]
+    assert "returned an infinite dataset" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        build_pipeline(lambda c: _range_fn(8)(c).batch(4), ctx,
+                       PipelineOptions(global_batch_size=4))
+    assert "elements look batched" in caplog.text
 
 
 def test_unknown_cardinality_is_counted():

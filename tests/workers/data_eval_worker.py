@@ -5,8 +5,9 @@ the worker index). STRATEGY is `one_device` (golden: the 1001 examples in one
 batch, no tfmulti pipeline), `mirrored3` (3 simulated replicas) or
 `multi_worker` (TF_CONFIG from the environment).
 
-Writes Keras `evaluate` results (weighted metrics) and the sums of a custom
-loop over the same distributed dataset: examples, correct, cross-entropy.
+Writes Keras `evaluate` results (weighted metrics), the sums of a custom
+loop over the same distributed dataset (examples, correct, cross-entropy),
+and the error for a global batch of 50.
 """
 
 import json
@@ -86,9 +87,16 @@ else:
         totals += step(batch).numpy()
         steps += 1
 
+try:
+    tfmulti.distribute_dataset(strategy, dataset_fn, global_batch_size=50)
+    batch_error = None
+except ValueError as e:
+    batch_error = str(e)
+
 with open(OUT, "w") as f:
     json.dump({"evaluate": evaluation, "examples": float(totals[0]),
                "accuracy": float(totals[1] / totals[0]),
                "xent": float(totals[2] / totals[0]),
                "rows": float(totals[3]), "steps": steps,
-               "replicas": strategy.num_replicas_in_sync}, f)
+               "replicas": strategy.num_replicas_in_sync,
+               "batch_error": batch_error}, f)

@@ -114,6 +114,15 @@ def _check_element(dataset, what: str) -> None:
             f"element_spec {spec!r}. Return a 2-tuple, e.g. "
             "`ds.map(lambda ex: (ex['image'], ex['label']))`, or "
             "`as_supervised=True` for TFDS.")
+    shapes = [s.shape for s in tf.nest.flatten(spec)]
+    if all(s.rank and s[0] is None for s in shapes):
+        # Every component starting with an unknown dimension is what
+        # .batch() leaves; batching twice silently multiplies the batch.
+        _log.warning(
+            "tfmulti: `%s` elements look batched (shapes %s): tfmulti "
+            "batches itself with the per-replica batch; return unbatched "
+            "elements (tensorflow/tensorflow#33809).", what,
+            [str(s) for s in shapes])
 
 
 def _cardinality(dataset) -> int:
@@ -151,6 +160,12 @@ def _shard(dataset_fn, input_context):
                   pipelines)
         dataset = dataset.shard(pipelines, input_context.input_pipeline_id)
     if n < 0:
+        if pipelines > 1:
+            _log.warning(
+                "tfmulti: `dataset_fn` returned an infinite dataset, so "
+                "pipelines split the repeated stream and each sees every "
+                "element over time. Return a finite dataset: tfmulti shards "
+                "first and repeats after.")
         return dataset, None
     sharding_lib.check_enough_elements(n, pipelines)
     return dataset, sharding_lib.sizes_by_element(n, pipelines)
@@ -221,6 +236,12 @@ def build_pipeline(dataset_fn: Callable, input_context:
         options.global_batch_size, input_context.num_replicas_in_sync)
     dataset, sizes = _shard(dataset_fn, input_context)
     if options.cache is not False:
+        if sizes is None:
+            raise ValueError(
+                f"`cache`={options.cache!r} but `dataset_fn` returned an "
+                "infinite dataset: the cache would never be complete and "
+                "would grow without bound. Remove .repeat() from dataset_fn "
+                "(tfmulti repeats after caching) or pass cache=False.")
         dataset = dataset.cache("" if options.cache is True
                                 else f"{options.cache}_{pipeline_id}")
     if options.training:
