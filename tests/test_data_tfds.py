@@ -77,8 +77,10 @@ def test_unprepared_dataset_and_bad_split_are_clear(tmp_path, prepared):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """`tfmulti_shapes` generated and written from scratch, once."""
-    return shapes.prepare_default(str(tmp_path_factory.mktemp("tfds")))
+    """`tfmulti_shapes` generated and written from scratch, once a session
+    (test_data_distributed.py uses the same directory)."""
+    return shapes.prepare_default(
+        str(tmp_path_factory.getbasetemp() / "tfds"))
 
 
 def _data_dir(builder):
