@@ -2,6 +2,7 @@
 prepared from scratch into a temporary directory and read back by file."""
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import tfmulti
+from tests.subproc import run_workers
 from tfmulti.data import shapes
 from tfmulti.data.pipeline import PipelineOptions, build_pipeline
 
@@ -155,3 +157,16 @@ def test_three_pipelines_evaluate_every_test_example_once(prepared):
             digests.extend(_digest(im) for im in images[weights == 1.0])
     assert lengths == [24, 24, 24]  # ceil(1500 / 64) on every pipeline
     assert len(digests) == len(set(digests)) == 4000
+
+
+@pytest.mark.slow
+def test_workers_preparing_at_once_all_read_one_copy(tmp_path):
+    results = run_workers(["tests/workers/data_prepare_worker.py",
+                           str(tmp_path)], 2, timeout=240)
+    sizes = {"train": [50] * 8, "test": [20] * 8}
+    for _, out in results:
+        line = [l for l in out.splitlines() if l.startswith("SIZES ")][-1]
+        assert json.loads(line[len("SIZES "):]) == sizes
+    versions = list((tmp_path / shapes.NAME).iterdir())
+    assert [v.name for v in versions] == ["1.0.0"]
+    assert len(list(versions[0].glob("*.tfrecord-*"))) == 16
