@@ -104,7 +104,8 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
       round is the closest to the feed's own speed), `ratio` and
       `ratio_map` (best over best memory), `ratio_paired` and
       `ratio_map_paired` (median over rounds of the ratio within a round),
-      every round, the settings.
+      `steps_per_cpu_s`, `ratio_cpu` and `ratio_map_cpu` (steps per second
+      of this process's CPU time), every round, the settings.
     """
     data_dir = data_dir or tempfile.mkdtemp(prefix="tfmulti_bench_")
     builder = shapes.prepare_default(data_dir)
@@ -129,12 +130,18 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
     for iterator in feeds.values():
         train(iterator, tf.constant(max(steps // 2, 10)))
     rates = {name: [] for name in feeds}
+    cpu_seconds = dict.fromkeys(feeds, 0.0)
     for _ in range(rounds):
         for name, iterator in feeds.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             train(iterator, tf.constant(steps))
             rates[name].append(steps / (time.perf_counter() - start))
+            cpu_seconds[name] += time.process_time() - cpu
     best = {name: max(r) for name, r in rates.items()}
+    # CPU seconds of this process (all threads) per step: what the input
+    # pipeline adds to training on a machine the step saturates, and much
+    # less disturbed by other processes than wall time.
+    per_cpu_s = {name: steps * rounds / cpu_seconds[name] for name in feeds}
 
     def paired(name):
         # Adjacent runs share the machine's load at that moment.
@@ -145,6 +152,9 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
             "ratio_map": best["pipeline_map"] / best["memory"],
             "ratio_paired": paired("pipeline"),
             "ratio_map_paired": paired("pipeline_map"),
+            "steps_per_cpu_s": per_cpu_s,
+            "ratio_cpu": per_cpu_s["pipeline"] / per_cpu_s["memory"],
+            "ratio_map_cpu": per_cpu_s["pipeline_map"] / per_cpu_s["memory"],
             "rounds": rates, "replicas": strategy.num_replicas_in_sync,
             "global_batch_size": global_batch_size, "steps": steps,
             "cache": cache}
@@ -179,6 +189,10 @@ def main(argv=None):
           f"with map_fn: {result['ratio_map']:.3f}")
     print(f"median of per-round ratios: {result['ratio_paired']:.3f}; with "
           f"map_fn: {result['ratio_map_paired']:.3f}")
+    print(f"per CPU second: {result['ratio_cpu']:.3f}; with map_fn: "
+          f"{result['ratio_map_cpu']:.3f} (steps per CPU s: " + ", ".join(
+              f"{k} {v:.2f}" for k, v in result["steps_per_cpu_s"].items())
+          + ")")
     print("rounds (steps/s): " + "; ".join(
         f"{k} {[round(r, 2) for r in v]}" for k, v in result["rounds"].items()))
     return result
