@@ -85,7 +85,7 @@ def _train_loop(strategy, model, optimizer, global_batch_size):
 
 
 def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
-            global_batch_size: int = 128, steps: int = 20, rounds: int = 10,
+            global_batch_size: int = 128, steps: int = 20, rounds: int = 16,
             cache: bool = False) -> dict:
     """Training steps/s from TFDS files through tfmulti vs from memory.
 
@@ -165,7 +165,7 @@ def main(argv=None):
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--global_batch_size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--cache", action="store_true")
     args = parser.parse_args(argv)
