@@ -152,6 +152,9 @@ def test_bad_options_and_elements_are_refused():
         PipelineOptions(global_batch_size=0)
     with pytest.raises(ValueError, match=r"`shuffle_buffer` .* got -1"):
         PipelineOptions(global_batch_size=8, shuffle_buffer=-1)
+    with pytest.raises(ValueError, match=r"`seed` should be a non-negative "
+                       r"int, or None .* got -3"):
+        PipelineOptions(global_batch_size=8, seed=-3)
     ctx = _contexts(1, 1)[0]
     with pytest.raises(ValueError, match=r"`dataset_fn` should give "
                        r"`\(features, label\)` elements"):

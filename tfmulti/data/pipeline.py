@@ -79,9 +79,11 @@ class PipelineOptions:
             raise ValueError(
                 "`shuffle_buffer` should be None (automatic), 0 (no "
                 f"shuffling) or a positive int, got {self.shuffle_buffer!r}.")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or self.seed < 0):
             raise ValueError(
-                f"`seed` should be an int or None, got {self.seed!r}.")
+                "`seed` should be a non-negative int, or None for a random "
+                f"shuffle, got {self.seed!r}.")
         if not isinstance(self.cache, (bool, str)):
             raise ValueError(
                 "`cache` should be True (memory), False, or a file path "
