@@ -7,6 +7,7 @@ results as one device.
 
 from tfmulti import keras
 from tfmulti.cluster import ClusterConfig, cluster_config
+from tfmulti.data import distribute_dataset, tfds_dataset_fn
 from tfmulti.devices import simulate_devices
 from tfmulti.schedules import scaled_learning_rate
 from tfmulti.strategies import create_strategy
@@ -17,7 +18,9 @@ __all__ = [
     "ClusterConfig",
     "cluster_config",
     "create_strategy",
+    "distribute_dataset",
     "keras",
     "scaled_learning_rate",
     "simulate_devices",
+    "tfds_dataset_fn",
 ]

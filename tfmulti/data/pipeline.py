@@ -1,0 +1,330 @@
+"""The per-replica input pipeline: shard, shuffle, map, batch, pad, prefetch.
+
+`build_pipeline` is a pure function of a `tf.distribute.InputContext`, so the
+whole distribution logic is testable on a grid of pipelines and replicas
+without a cluster; `distribute_dataset` hands it to
+`strategy.distribute_datasets_from_function`.
+
+Element contract: `dataset_fn(input_context)` yields `(features, label)`
+(features a tensor or a dict); `map_fn` maps one such element to another.
+Training batches are `(features, label)`; evaluation batches are
+`(features, label, sample_weight)` with a float32 weight of 1 for real
+examples and 0 for padding, and every replica on every worker gets the same
+number of full batches (tensorflow/tensorflow#37112, #58809).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tfmulti.data import sharding as sharding_lib
+
+_log = logging.getLogger(__name__)
+
+# Default shuffle buffer, in elements, when the pipeline's shard is larger.
+DEFAULT_SHUFFLE_BUFFER = 10_000
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How `build_pipeline` turns a `dataset_fn` into per-replica batches.
+
+    Attributes:
+      global_batch_size: examples per step over all replicas.
+      training: True repeats, shuffles and drops the remainder; False is an
+        exact-once evaluation with padding and sample weights.
+      shuffle_buffer: shuffle buffer in elements (training only); None means
+        min(pipeline shard size, 10000); 0 turns shuffling off.
+      seed: shuffle seed, folded with the input pipeline id so pipelines
+        shuffle differently but reproducibly; None for a random seed.
+      cache: True caches the sharded, unmapped data in memory; a string
+        caches to files with that path prefix (one set per pipeline).
+      map_fn: optional `(features, label) -> (features, label)`, applied in
+        parallel after caching (so random augmentation differs per epoch).
+      drop_remainder: None means True for training and padding for
+        evaluation. True in evaluation drops the examples that do not fill a
+        step on every replica (faster, not exact-once). False in training is
+        refused: a partial batch makes replicas disagree at the epoch end.
+    """
+
+    global_batch_size: int
+    training: bool = True
+    shuffle_buffer: int | None = None
+    seed: int | None = 0
+    cache: bool | str = False
+    map_fn: Callable | None = None
+    drop_remainder: bool | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.global_batch_size) or self.global_batch_size < 1:
+            raise ValueError(
+                "`global_batch_size` should be a positive int (examples per "
+                f"step over all replicas), got {self.global_batch_size!r}.")
+        if not isinstance(self.training, bool):
+            raise ValueError(
+                f"`training` should be True or False, got {self.training!r}.")
+        if self.shuffle_buffer is not None and (
+                not _is_int(self.shuffle_buffer) or self.shuffle_buffer < 0):
+            raise ValueError(
+                "`shuffle_buffer` should be None (automatic), 0 (no "
+                f"shuffling) or a positive int, got {self.shuffle_buffer!r}.")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or self.seed < 0):
+            raise ValueError(
+                "`seed` should be a non-negative int, or None for a random "
+                f"shuffle, got {self.seed!r}.")
+        if not isinstance(self.cache, (bool, str)):
+            raise ValueError(
+                "`cache` should be True (memory), False, or a file path "
+                f"prefix, got {self.cache!r}.")
+        if self.map_fn is not None and not callable(self.map_fn):
+            raise ValueError(
+                f"`map_fn` should be callable or None, got {self.map_fn!r}.")
+        if self.training and self.drop_remainder is False:
+            raise ValueError(
+                "`drop_remainder`=False with `training`=True: a partial last "
+                "batch leaves replicas with different batch sizes or no "
+                "batch at all, and the step hangs or fails at the epoch end "
+                "(tensorflow/tensorflow#37112). Training repeats the data, "
+                "so nothing is lost: leave drop_remainder=None. For an "
+                "exact-once pass use training=False.")
+
+
+def _pipeline_seed(seed: int | None, pipeline_id: int) -> int | None:
+    if seed is None:
+        return None
+    state = np.random.SeedSequence([seed, pipeline_id]).generate_state(1)
+    return int(state[0])
+
+
+def _check_element(dataset, what: str) -> None:
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple) or len(spec) != 2:
+        raise ValueError(
+            f"`{what}` should give `(features, label)` elements, got "
+            f"element_spec {spec!r}. Return a 2-tuple, e.g. "
+            "`ds.map(lambda ex: (ex['image'], ex['label']))`, or "
+            "`as_supervised=True` for TFDS.")
+    shapes = [s.shape for s in tf.nest.flatten(spec)]
+    if all(s.rank and s[0] is None for s in shapes):
+        # Every component starting with an unknown dimension is what
+        # .batch() leaves; batching twice silently multiplies the batch.
+        _log.warning(
+            "tfmulti: `%s` elements look batched (shapes %s): tfmulti "
+            "batches itself with the per-replica batch; return unbatched "
+            "elements (tensorflow/tensorflow#33809).", what,
+            [str(s) for s in shapes])
+
+
+def _cardinality(dataset) -> int:
+    """Known cardinality, -1 for infinite, else counted once (and logged)."""
+    n = int(dataset.cardinality())
+    if n == tf.data.INFINITE_CARDINALITY:
+        return -1
+    if n == tf.data.UNKNOWN_CARDINALITY:
+        n = int(dataset.reduce(np.int64(0), lambda count, _: count + 1))
+        _log.warning(
+            "tfmulti: counted %d elements because the dataset's cardinality "
+            "is unknown (after filter() or from files); apply "
+            "tf.data.experimental.assert_cardinality(%d) in dataset_fn to "
+            "skip the count.", n, n)
+    return n
+
+
+def _shard(dataset_fn, input_context):
+    """This pipeline's dataset and all pipelines' sizes (None if infinite)."""
+    if isinstance(dataset_fn, sharding_lib.ShardedDatasetFn):
+        dataset, sizes = dataset_fn.shard(input_context)
+        _check_element(dataset, "dataset_fn")
+        return dataset, sizes
+    dataset = dataset_fn(input_context)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(
+            "`dataset_fn(input_context)` should return a tf.data.Dataset of "
+            f"unbatched `(features, label)`, got {type(dataset).__name__}.")
+    _check_element(dataset, "dataset_fn")
+    pipelines = input_context.num_input_pipelines
+    n = _cardinality(dataset)
+    if pipelines > 1:
+        _log.info("tfmulti: sharding a dataset of %s elements over %d input "
+                  "pipelines by element", "infinite" if n < 0 else n,
+                  pipelines)
+        dataset = dataset.shard(pipelines, input_context.input_pipeline_id)
+    if n < 0:
+        if pipelines > 1:
+            _log.warning(
+                "tfmulti: `dataset_fn` returned an infinite dataset, so "
+                "pipelines split the repeated stream and each sees every "
+                "element over time. Return a finite dataset: tfmulti shards "
+                "first and repeats after.")
+        return dataset, None
+    sharding_lib.check_enough_elements(n, pipelines)
+    return dataset, sharding_lib.sizes_by_element(n, pipelines)
+
+
+def _zeros_like(dataset):
+    """One all-zeros element shaped like `dataset`'s elements."""
+    spec = dataset.element_spec
+    if all(s.shape.is_fully_defined() for s in tf.nest.flatten(spec)):
+        return tf.data.Dataset.from_tensors(tf.nest.map_structure(
+            lambda s: tf.zeros(s.shape, s.dtype), spec))
+    # Shapes known only per element (e.g. images before a resizing map_fn
+    # that the user left out): take them from the first element.
+    return dataset.take(1).map(
+        lambda *e: tf.nest.map_structure(tf.zeros_like, e))
+
+
+def _with_weight(features, label):
+    return features, label, tf.constant(1.0, tf.float32)
+
+
+def _eval_padding(dataset, sizes, *, pipeline_id, step_examples,
+                  drop_remainder):
+    """Pads (or truncates) this pipeline to the same number of full steps."""
+    if drop_remainder:
+        steps = min(sizes) // step_examples
+        if steps == 0:
+            raise ValueError(
+                f"`drop_remainder`=True in evaluation leaves nothing: the "
+                f"smallest input pipeline has {min(sizes)} examples, fewer "
+                f"than one step of {step_examples} on its replicas. Use "
+                "drop_remainder=None (pad and mask) or a smaller "
+                "`global_batch_size`.")
+        return dataset.take(steps * step_examples).map(_with_weight)
+    steps = math.ceil(max(sizes) / step_examples)
+    padding = steps * step_examples - sizes[pipeline_id]
+    zeros = _zeros_like(dataset).map(
+        lambda f, l: (f, l, tf.constant(0.0, tf.float32)))
+    return dataset.map(_with_weight).concatenate(zeros.repeat(padding))
+
+
+def build_pipeline(dataset_fn: Callable, input_context:
+                   tf.distribute.InputContext, options: PipelineOptions
+                   ) -> tf.data.Dataset:
+    """The per-replica batches of one input pipeline.
+
+    Args:
+      dataset_fn: `dataset_fn(input_context)` -> unbatched tf.data.Dataset of
+        `(features, label)`; sharded here by element, unless it is a
+        `ShardedDatasetFn` (TFDS, file lists) that shards itself.
+      input_context: which pipeline this is, of how many, and the number of
+        replicas in sync.
+      options: a `PipelineOptions`.
+
+    Returns:
+      A dataset of per-replica batches: `(features, label)` for training
+      (infinite), `(features, label, sample_weight)` for evaluation (finite,
+      the same number of batches on every pipeline, a multiple of the
+      pipeline's replicas).
+
+    Raises:
+      ValueError: indivisible batch, too few elements or files, wrong element
+        structure, or an infinite dataset in evaluation.
+    """
+    pipelines = input_context.num_input_pipelines
+    pipeline_id = input_context.input_pipeline_id
+    per_replica = sharding_lib.per_replica_batch_size(
+        options.global_batch_size, input_context.num_replicas_in_sync)
+    dataset, sizes = _shard(dataset_fn, input_context)
+    if options.cache is not False:
+        if sizes is None:
+            raise ValueError(
+                f"`cache`={options.cache!r} but `dataset_fn` returned an "
+                "infinite dataset: the cache would never be complete and "
+                "would grow without bound. Remove .repeat() from dataset_fn "
+                "(tfmulti repeats after caching) or pass cache=False.")
+        dataset = dataset.cache("" if options.cache is True
+                                else f"{options.cache}_{pipeline_id}")
+    if options.training:
+        size = sizes[pipeline_id] if sizes else None
+        buffer = options.shuffle_buffer
+        if buffer is None:
+            buffer = min(size or DEFAULT_SHUFFLE_BUFFER, DEFAULT_SHUFFLE_BUFFER)
+        if buffer > 1:
+            dataset = dataset.shuffle(
+                buffer, seed=_pipeline_seed(options.seed, pipeline_id),
+                reshuffle_each_iteration=True)
+        if sizes is not None:
+            dataset = dataset.repeat()
+    elif sizes is None:
+        raise ValueError(
+            "`training`=False but `dataset_fn` returned an infinite dataset: "
+            "an exact-once evaluation needs a finite one. Remove .repeat() "
+            "from dataset_fn.")
+    if options.map_fn is not None:
+        dataset = dataset.map(options.map_fn,
+                              num_parallel_calls=tf.data.AUTOTUNE)
+        _check_element(dataset, "map_fn")
+    if not options.training:
+        replicas_here = input_context.num_replicas_in_sync // pipelines
+        dataset = _eval_padding(
+            dataset, sizes, pipeline_id=pipeline_id,
+            step_examples=replicas_here * per_replica,
+            drop_remainder=options.drop_remainder)
+    dataset = dataset.batch(per_replica, drop_remainder=True)
+    # From-function input is never auto-sharded; OFF also stops a second,
+    # wrong sharding if someone passes this to experimental_distribute_dataset.
+    data_options = tf.data.Options()
+    data_options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF)
+    return dataset.with_options(data_options).prefetch(tf.data.AUTOTUNE)
+
+
+def distribute_dataset(strategy: tf.distribute.Strategy,
+                       dataset_fn: Callable, *, global_batch_size: int,
+                       training: bool = True,
+                       shuffle_buffer: int | None = None,
+                       seed: int | None = 0, cache: bool | str = False,
+                       map_fn: Callable | None = None,
+                       drop_remainder: bool | None = None):
+    """The distributed dataset of `dataset_fn` for `strategy`.
+
+    Each input pipeline (one per worker) calls `dataset_fn(input_context)`,
+    shards the result (by element, or by file for `tfds_dataset_fn` and
+    `files_dataset_fn`), caches, shuffles with a seed folded per pipeline,
+    repeats (training), maps in parallel, batches with the per-replica batch
+    and prefetches. Goes through `strategy.distribute_datasets_from_function`.
+
+    Args:
+      strategy: the tf.distribute strategy the data feeds.
+      dataset_fn: `dataset_fn(input_context)` -> UNBATCHED tf.data.Dataset of
+        `(features, label)`.
+      global_batch_size: examples per step over all replicas; divided by the
+        number of replicas in sync.
+      training: True for an infinite, shuffled stream of full batches (pass
+        `steps_per_epoch` to Keras `fit`); False for one exact-once pass
+        with `(features, label, sample_weight)` batches (use
+        `weighted_metrics` in Keras `compile` so padding does not count).
+      shuffle_buffer: elements in the shuffle buffer; None is automatic, 0
+        turns shuffling off.
+      seed: shuffle seed (None: random).
+      cache: True caches the sharded data in memory, a string to files.
+      map_fn: `(features, label) -> (features, label)`, run in parallel.
+      drop_remainder: see `PipelineOptions`.
+
+    Returns:
+      A `tf.distribute.DistributedDataset` of per-replica batches.
+    """
+    options = PipelineOptions(
+        global_batch_size=global_batch_size, training=training,
+        shuffle_buffer=shuffle_buffer, seed=seed, cache=cache, map_fn=map_fn,
+        drop_remainder=drop_remainder)
+    replicas = strategy.num_replicas_in_sync
+    per_replica = sharding_lib.per_replica_batch_size(global_batch_size,
+                                                      replicas)
+    _log.info("tfmulti: global batch %d = %d replica(s) x per-replica batch "
+              "%d (%s)", global_batch_size, replicas, per_replica,
+              "training" if training else "evaluation")
+    return strategy.distribute_datasets_from_function(
+        functools.partial(build_pipeline, dataset_fn, options=options))
