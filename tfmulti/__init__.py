@@ -8,11 +8,13 @@ results as one device.
 from tfmulti.cluster import ClusterConfig, cluster_config
 from tfmulti.devices import simulate_devices
 from tfmulti.strategies import create_strategy
+from tfmulti.training import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterConfig",
+    "Trainer",
     "cluster_config",
     "create_strategy",
     "simulate_devices",

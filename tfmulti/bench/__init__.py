@@ -1,0 +1,1 @@
+"""Benchmarks: python -m tfmulti.bench.<name>."""
