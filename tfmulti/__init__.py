@@ -11,11 +11,13 @@ from tfmulti.data import distribute_dataset, tfds_dataset_fn
 from tfmulti.devices import simulate_devices
 from tfmulti.schedules import scaled_learning_rate
 from tfmulti.strategies import create_strategy
+from tfmulti.training import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterConfig",
+    "Trainer",
     "cluster_config",
     "create_strategy",
     "distribute_dataset",

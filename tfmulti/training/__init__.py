@@ -1,0 +1,23 @@
+"""The training layer: replica step, inner loop, Trainer, checkpoints,
+summaries."""
+
+from tfmulti.training.checkpoints import Checkpointer, is_chief
+from tfmulti.training.gradients import (all_reduce_sum, clip_by_global_norm,
+                                        disable_optimizer_reduction)
+from tfmulti.training.loop import create_train_loop
+from tfmulti.training.step import GradientOptions, TrainStep
+from tfmulti.training.summaries import ScalarWriter
+from tfmulti.training.trainer import Trainer
+
+__all__ = [
+    "Checkpointer",
+    "GradientOptions",
+    "ScalarWriter",
+    "TrainStep",
+    "Trainer",
+    "all_reduce_sum",
+    "clip_by_global_norm",
+    "create_train_loop",
+    "disable_optimizer_reduction",
+    "is_chief",
+]

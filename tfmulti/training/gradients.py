@@ -1,0 +1,123 @@
+"""Cross-replica gradient reduction, clipping by the reduced norm, and the
+Keras 3 optimizer that must not reduce again.
+
+Keras 3's TensorFlow optimizer sums gradients across replicas by itself
+(`TFOptimizer._backend_update_step` calls `_all_reduce_sum_gradients` in
+replica context) after clipping each replica's LOCAL gradient. tfmulti
+reduces explicitly, once, with the strategy's communication options, clips by
+the norm of the reduced gradient, and gives the optimizer an identity in
+place of its own reduction.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+ALLREDUCE_DTYPES = ("float16", "bfloat16")
+# The private method replaced below; checked on these Keras major versions.
+_REDUCE_METHOD = "_all_reduce_sum_gradients"
+_SUPPORTED_KERAS_MAJOR = 3
+# Marks an optimizer whose own reduction tfmulti already replaced.
+_MARK = "_tfmulti_reduces_gradients"
+
+
+def _keras_major() -> int:
+    return int(keras.__version__.split(".")[0])
+
+
+def _already_reduced(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def disable_optimizer_reduction(optimizer) -> None:
+    """Makes `optimizer` apply gradients as given, without summing replicas.
+
+    Replaces the optimizer INSTANCE's private `_all_reduce_sum_gradients`
+    (Keras 3, TensorFlow backend) with an identity; for a
+    `keras.optimizers.LossScaleOptimizer` the inner optimizer's too. Only the
+    caller's reduction (`all_reduce_sum`) then sums gradients.
+
+    Args:
+      optimizer: a Keras 3 optimizer.
+
+    Raises:
+      ValueError: the optimizer uses Keras's `gradient_accumulation_steps`,
+        which crashes under a strategy.
+      RuntimeError: Keras is not 3.x, or the optimizer has no
+        `_all_reduce_sum_gradients` (a Keras release that changed it).
+    """
+    if _keras_major() != _SUPPORTED_KERAS_MAJOR:
+        raise RuntimeError(
+            f"tfmulti's gradient reduction supports Keras "
+            f"{_SUPPORTED_KERAS_MAJOR}.x; this is Keras {keras.__version__}. "
+            "Install keras>=3.15,<4.")
+    inner = getattr(optimizer, "inner_optimizer", None)
+    for opt in (optimizer, inner) if inner is not None else (optimizer,):
+        steps = getattr(opt, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                f"The optimizer has `gradient_accumulation_steps`={steps}, "
+                "which crashes under a tf.distribute strategy (Keras puts the "
+                "cross-replica reduction inside a cond). Create the optimizer "
+                "without it and pass `grad_accum_steps="
+                f"{steps}` to tfmulti.Trainer instead.")
+        if not callable(getattr(type(opt), _REDUCE_METHOD, None)):
+            raise RuntimeError(
+                f"{type(opt).__name__} has no `{_REDUCE_METHOD}`: this Keras "
+                f"({keras.__version__}) changed how its TensorFlow optimizer "
+                "reduces gradients, and tfmulti cannot stop it from reducing "
+                "them a second time. Use keras 3.15.")
+        setattr(opt, _REDUCE_METHOD, _already_reduced)
+        setattr(opt, _MARK, True)
+
+
+def reduces_gradients(optimizer) -> bool:
+    """Whether `disable_optimizer_reduction` was applied to `optimizer`."""
+    return bool(getattr(optimizer, _MARK, False))
+
+
+def all_reduce_sum(grads, *, options=None, dtype=None):
+    """Sums `grads` across replicas in ONE batched all-reduce.
+
+    Call in replica context. `None` entries stay `None`.
+
+    Args:
+      grads: list of gradients (tensors, IndexedSlices or None).
+      options: `tf.distribute.experimental.CommunicationOptions`.
+      dtype: None, or "float16"/"bfloat16": floating gradients are cast to it
+        for the reduction (half the bytes on the wire) and back after.
+
+    Returns:
+      The list of summed gradients, in the input dtypes.
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    values = [grads[i] for i in present]
+    if dtype is not None:
+        values = [tf.cast(tf.convert_to_tensor(g), dtype)
+                  if g.dtype.is_floating else g for g in values]
+    context = tf.distribute.get_replica_context()
+    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, values,
+                                 options=options) if values else []
+    out = list(grads)
+    for i, g in zip(present, reduced):
+        out[i] = tf.cast(g, grads[i].dtype) if dtype is not None else g
+    return out
+
+
+def clip_by_global_norm(grads, clip_norm):
+    """Clips `grads` jointly so that their global norm is at most `clip_norm`.
+
+    On reduced gradients this is the same on every replica and equal to
+    clipping on one device.
+
+    Returns:
+      (clipped list, the global norm before clipping).
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    clipped, norm = tf.clip_by_global_norm([grads[i] for i in present],
+                                           clip_norm)
+    out = list(grads)
+    for i, g in zip(present, clipped):
+        out[i] = g
+    return out, norm

@@ -1,0 +1,80 @@
+"""Inner loops: N steps inside one `tf.function`, as Orbit builds them.
+
+A Python loop around a `tf.function` of one step pays the call overhead every
+step; Keras's `steps_per_execution` wraps each step in a `tf.cond`, which
+MirroredStrategy cannot run. Here a `tf.range` loop calls the step N times
+with no conditional around its synchronisation points, and the per-step
+losses are summed across replicas once per loop, not once per step.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def _check_num_steps(num_steps):
+    if not isinstance(num_steps, tf.Tensor):
+        raise ValueError(
+            f"`num_steps` should be a `tf.Tensor`, got {num_steps!r}. Passing "
+            "a Python value can cause unnecessary retracing; pass "
+            "tf.constant(n, tf.int32).")
+
+
+def sum_over_replicas(strategy, local):
+    """Sums a per-worker tensor (already summed over this worker's replicas)
+    over all workers, in one reduction. Call in cross-replica context."""
+    num_local = len(strategy.extended.worker_devices)
+    # Replica ids run worker by worker, so `id % num_local == 0` picks each
+    # worker's first replica: exactly one copy per worker enters the sum.
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.identity(local) if (
+            ctx.replica_id_in_sync_group % num_local == 0)
+        else tf.zeros_like(local))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+
+
+def create_train_loop(step_fn, *, strategy):
+    """Builds `train(iterator, num_steps)`: `num_steps` calls of `step_fn`.
+
+    Args:
+      step_fn: `step_fn(iterator)`, called in cross-replica context inside a
+        `tf.function`; returns a per-replica scalar (e.g. a `TrainStep`'s
+        loss share) whose sum over replicas is that step's value.
+      strategy: the strategy `step_fn` runs under.
+
+    Returns:
+      `train(iterator, num_steps) -> tf.Tensor` of shape [num_steps]: per
+      step, the sum over replicas of `step_fn`'s value. `num_steps` must be
+      a scalar `tf.Tensor`, so that one trace serves every loop length.
+    """
+
+    @tf.function
+    def loop(iterator, num_steps):
+        values = tf.TensorArray(tf.float32, size=num_steps)
+        for i in tf.range(num_steps):
+            local = strategy.experimental_local_results(step_fn(iterator))
+            values = values.write(i, tf.cast(tf.add_n(local), tf.float32))
+        return sum_over_replicas(strategy, values.stack())
+
+    def train(iterator, num_steps):
+        _check_num_steps(num_steps)
+        return loop(iterator, num_steps)
+
+    train.traced = loop
+    return train
+
+
+@tf.function
+def _skip(iterator, num_batches):
+    for _ in tf.range(num_batches):
+        next(iterator)
+
+
+def skip_batches(iterator, num_batches: int) -> None:
+    """Advances `iterator` by `num_batches` batches without training on them.
+
+    Resumes a deterministic input pipeline whose iterator cannot be
+    checkpointed (TF 2.21's distributed iterators are not trackable).
+    """
+    if num_batches > 0:
+        _skip(iterator, tf.constant(num_batches, tf.int64))

@@ -1,0 +1,170 @@
+"""The train step: K micro-batches, one gradient all-reduce, one update.
+
+Reusable with any loss: `TrainStep` takes `compute_loss(x, y, sample_weight)`
+returning this replica's share of one micro-batch's loss (summed over the
+replicas it is that micro-batch's loss) and the predictions. The step
+averages over the K micro-batches, accumulates gradients locally, reduces
+them once per update, clips by the reduced norm and applies them with an
+optimizer that does not reduce again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tfmulti.training import gradients as gradients_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientOptions:
+    """How gradients become an update.
+
+    Attributes:
+      grad_accum_steps: K; K micro-batches of global batch B make one update
+        equal to one step with global batch K*B.
+      clip_global_norm: clip the REDUCED gradient to this global norm.
+      allreduce_dtype: None, "float16" or "bfloat16": dtype of gradients on
+        the wire.
+    """
+
+    grad_accum_steps: int = 1
+    clip_global_norm: float | None = None
+    allreduce_dtype: str | None = None
+
+    def __post_init__(self):
+        k = self.grad_accum_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"`grad_accum_steps` should be an int >= 1, got {k!r}. Use 1 "
+                "for no accumulation.")
+        c = self.clip_global_norm
+        if c is not None and (isinstance(c, bool) or
+                              not isinstance(c, (int, float)) or not c > 0):
+            raise ValueError(
+                f"`clip_global_norm` should be a positive number or None, got "
+                f"{c!r}.")
+        d = self.allreduce_dtype
+        if d is not None and d not in gradients_lib.ALLREDUCE_DTYPES:
+            raise ValueError(
+                f"`allreduce_dtype` is {d!r}; use None (the gradients' own "
+                f"dtype) or one of {list(gradients_lib.ALLREDUCE_DTYPES)}.")
+
+
+def unpack_batch(batch):
+    """(x, y) or (x, y, sample_weight) -> (x, y, sample_weight or None)."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return (batch[0], batch[1], batch[2] if len(batch) == 3 else None)
+    raise ValueError(
+        "Each batch should be a tuple (x, y) or (x, y, sample_weight); got "
+        f"{type(batch).__name__} "
+        f"{len(batch) if isinstance(batch, (tuple, list)) else ''}. Map the "
+        "dataset to such tuples.")
+
+
+class TrainStep:
+    """One optimizer update over K micro-batches, called in cross-replica
+    context (inside a `tf.function`) with a distributed iterator.
+
+    Args:
+      strategy: the `tf.distribute.Strategy` the variables live in.
+      model: the Keras model (its `trainable_variables` are updated).
+      optimizer: a Keras optimizer built on those variables, whose own
+        reduction `gradients.disable_optimizer_reduction` has replaced.
+      compute_loss: `compute_loss(x, y, sample_weight) -> (loss, y_pred)`,
+        called in replica context; `loss` is this replica's share of the
+        micro-batch loss (`tf.nn.compute_average_loss` with the global batch).
+      options: `GradientOptions`.
+      metrics: Keras metrics updated with `(y, y_pred, sample_weight)`.
+      communication_options: `tf.distribute.experimental.CommunicationOptions`
+        for the gradient all-reduce.
+    """
+
+    def __init__(self, strategy, model, optimizer, compute_loss, *,
+                 options: GradientOptions = GradientOptions(), metrics=(),
+                 communication_options=None):
+        if not gradients_lib.reduces_gradients(optimizer):
+            raise ValueError(
+                "`optimizer` still sums gradients across replicas itself, so "
+                "TrainStep would reduce them twice. Call tfmulti.training."
+                "disable_optimizer_reduction(optimizer) first.")
+        self._strategy = strategy
+        self._model = model
+        self._optimizer = optimizer
+        self._compute_loss = compute_loss
+        self._options = options
+        self._metrics = tuple(metrics)
+        self._communication_options = communication_options
+        self._variables = list(model.trainable_variables)
+        self._accumulators = []
+        if options.grad_accum_steps > 1:
+            # Per-replica (sync-on-read) sums: each replica accumulates its
+            # own local gradient; only the update reduces them.
+            with strategy.scope():
+                self._accumulators = [
+                    tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                name="grad_accumulator",
+                                synchronization=tf.VariableSynchronization.ON_READ,
+                                aggregation=tf.VariableAggregation.SUM)
+                    for v in self._variables]
+
+    @property
+    def options(self) -> GradientOptions:
+        return self._options
+
+    def _local_gradients(self, batch):
+        x, y, sample_weight = unpack_batch(batch)
+        with tf.GradientTape() as tape:
+            loss, y_pred = self._compute_loss(x, y, sample_weight)
+            loss = loss / self._options.grad_accum_steps
+            # A LossScaleOptimizer's scale (or `loss_scale_factor`); the
+            # optimizer divides it out again in `apply`.
+            scaled = self._optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self._variables)
+        for metric in self._metrics:
+            metric.update_state(y, y_pred, sample_weight=sample_weight)
+        return loss, grads
+
+    def _accumulate(self, batch, loss_so_far):
+        loss, grads = self._local_gradients(batch)
+        for acc, g in zip(self._accumulators, grads):
+            if g is not None:
+                acc.assign_add(tf.convert_to_tensor(g))
+        return loss + loss_so_far
+
+    def _update(self, batch, loss_so_far):
+        loss, grads = self._local_gradients(batch)
+        if self._accumulators:
+            grads = [None if g is None else tf.convert_to_tensor(g) +
+                     acc.read_value()
+                     for g, acc in zip(grads, self._accumulators)]
+            # Ordered after the reads above by automatic control deps.
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc))
+        grads = gradients_lib.all_reduce_sum(
+            grads, options=self._communication_options,
+            dtype=self._options.allreduce_dtype)
+        clip = self._options.clip_global_norm
+        if clip is not None:
+            # The gradients still carry the loss scale: clip at scale * clip.
+            scale = tf.cast(self._optimizer.scale_loss(tf.constant(1.0)),
+                            tf.float32)
+            grads, _ = gradients_lib.clip_by_global_norm(grads, clip * scale)
+        self._optimizer.apply(grads, self._variables)
+        return loss + loss_so_far
+
+    def __call__(self, iterator):
+        """Runs one update; returns this update's loss per replica.
+
+        Summed over replicas (e.g. `strategy.reduce("SUM", ...)`), the result
+        is the loss of the update's K*B examples.
+        """
+        loss = tf.constant(0.0)
+        # K-1 micro-steps only accumulate (no communication); the K-th
+        # computes its gradient, adds the accumulated ones, reduces once and
+        # applies. K=1 is a single fused step with no accumulator variables.
+        for _ in range(self._options.grad_accum_steps - 1):
+            loss = self._strategy.run(self._accumulate,
+                                      args=(next(iterator), loss))
+        return self._strategy.run(self._update, args=(next(iterator), loss))
