@@ -65,3 +65,21 @@ def test_one_device_fit_and_evaluate(strategy, capsys):
         {"loss": history["val_loss"][-1],
          "sparse_categorical_accuracy":
              history["val_sparse_categorical_accuracy"][-1]})
+
+
+def test_dataset_fn_with_global_batch_size(strategy):
+    def dataset_fn(context):
+        return tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(
+            context.get_per_replica_batch_size(8), drop_remainder=True)
+
+    model, optimizer = build(strategy)
+    trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=strategy)
+    from_fn = trainer.fit(dataset_fn, steps=4, global_batch_size=8,
+                          verbose=0)
+    model, optimizer = build(strategy)
+    trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=strategy)
+    from_dataset = trainer.fit(data(), steps=4, verbose=0)
+    np.testing.assert_allclose(from_fn["step_loss"],
+                               from_dataset["step_loss"], atol=1e-7)
+    with pytest.raises(ValueError, match="pass `global_batch_size`"):
+        trainer.fit(dataset_fn, steps=8, verbose=0)
