@@ -176,8 +176,9 @@ class Trainer:
         self.optimizer = optimizer
         self._loops = {}
         self._eval_fn = None
-        self._source = None
-        self._iterator = None
+        # The last `train_data` given to fit, its iterator and global batch:
+        # the same object given again continues where it stopped.
+        self._source = self._iterator = self._source_batch = None
 
     @property
     def step(self) -> int:
@@ -185,9 +186,9 @@ class Trainer:
         return int(self._step.numpy())
 
     def _check_precision(self, mixed_precision):
-        policy = model_policy = self.model.dtype_policy.name
+        model_policy = self.model.dtype_policy.name
         if mixed_precision is None:
-            return policy if policy in MIXED_PRECISION else None
+            return model_policy if model_policy in MIXED_PRECISION else None
         if mixed_precision not in MIXED_PRECISION:
             raise ValueError(
                 f"`mixed_precision` is {mixed_precision!r}; use None or one "
