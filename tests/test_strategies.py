@@ -30,6 +30,7 @@ def test_each_name_gives_the_expected_strategy(probe):
     assert created["auto"] == [expected_auto, count]
     assert result["options"] == [1 << 20, 30]
     assert result["again"] == count
+    assert result["all_reduce_sums"] == sorted({1.0, min(2.0, count), count})
 
 
 def test_bad_options_get_clear_errors(probe):

@@ -101,7 +101,7 @@ def test_two_workers_match_one_device(local, tmp_path):
         assert_matches(worker["multi_worker"]["bfloat16_allreduce"],
                        golden["sgd_momentum"], BFLOAT16_TOLERANCE)
         assert worker["all_reduces_per_update"] == {"1": 1, "4": 1}
-        assert worker["checkpoint_step"] == 4
+    assert workers[0]["checkpoint_step"] == 4
     # Only the chief wrote to model_dir (checkpoints, TensorBoard "train");
     # worker 1 saved to temporary dirs and removed them.
     assert sorted(os.listdir(model_dir)) == [

@@ -7,6 +7,7 @@ user asked for, on MirroredStrategy too, which has no place for them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import keras
@@ -170,8 +171,7 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                     f"{num_gpus}. Use strategy 'mirrored' for several.")
             strategy = tf.distribute.OneDeviceStrategy(devices[0])
         else:
-            strategy = tf.distribute.MirroredStrategy(
-                devices, cross_device_ops=_mirrored_ops(all_reduce))
+            strategy = _mirrored(devices, _mirrored_ops(all_reduce))
     strategy._tfmulti_communication_options = options
     _log.info("tfmulti: %s with %d replica(s) in sync",
               type(strategy).__name__, strategy.num_replicas_in_sync)
@@ -202,6 +202,25 @@ def _local_devices(num_gpus):
     elif gpus:
         return [d.name for d in gpus]
     return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+# Every MirroredStrategy numbers its collective groups from 1 +
+# `_collective_key_base`; two of them over different device sets in one
+# process (a benchmark over 1, 2 and 4 replicas, say) would join the same
+# group with different sizes and abort. Each gets its own key range.
+_KEY_BASES = itertools.count(0, 100_000)
+
+
+def _mirrored(devices, cross_device_ops):
+    cls = tf.distribute.MirroredStrategy
+    previous = cls._collective_key_base
+    # The extended strategy copies the class attribute when it is built;
+    # TensorFlow's own tests separate strategies the same way.
+    cls._collective_key_base = next(_KEY_BASES)
+    try:
+        return cls(devices, cross_device_ops=cross_device_ops)
+    finally:
+        cls._collective_key_base = previous
 
 
 def _mirrored_ops(all_reduce):

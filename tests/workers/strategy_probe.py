@@ -20,6 +20,17 @@ s = tfmulti.create_strategy("mirrored", devices=devices[:1],
 result["created"]["mirrored_subset"] = [type(s).__name__,
                                         s.num_replicas_in_sync]
 opts = tfmulti.strategies.communication_options(s)
+# Mirrored strategies over different device sets in one process: each
+# all-reduce must use its own collective group (no abort, right sums).
+import tensorflow as tf  # noqa: E402
+
+sums = []
+for n in sorted({1, min(2, count), count}):
+    mirrored = tfmulti.create_strategy("mirrored", devices=devices[:n])
+    per_replica = mirrored.run(lambda: tf.distribute.get_replica_context(
+        ).all_reduce("SUM", tf.constant(1.0)))
+    sums.append(float(mirrored.experimental_local_results(per_replica)[0]))
+result["all_reduce_sums"] = sums
 result["options"] = [opts.bytes_per_pack, opts.timeout_seconds]
 for label, kwargs in {
         "bad_name": dict(name="horovod"),
