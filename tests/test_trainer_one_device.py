@@ -67,10 +67,10 @@ def test_one_device_fit_and_evaluate(strategy, capsys):
              history["val_sparse_categorical_accuracy"][-1]})
 
 
-def test_dataset_fn_with_global_batch_size(strategy):
+def test_dataset_fn_goes_through_the_data_layer(strategy):
     def dataset_fn(context):
-        return tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(
-            context.get_per_replica_batch_size(8), drop_remainder=True)
+        del context  # distribute_dataset shards, shuffles and batches.
+        return tf.data.Dataset.from_tensor_slices((X, Y))
 
     model, optimizer = build(strategy)
     trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=strategy)
@@ -78,7 +78,9 @@ def test_dataset_fn_with_global_batch_size(strategy):
                           verbose=0)
     model, optimizer = build(strategy)
     trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=strategy)
-    from_dataset = trainer.fit(data(), steps=4, verbose=0)
+    from_dataset = trainer.fit(
+        tfmulti.distribute_dataset(strategy, dataset_fn, global_batch_size=8),
+        steps=4, verbose=0)
     np.testing.assert_allclose(from_fn["step_loss"],
                                from_dataset["step_loss"], atol=1e-7)
     with pytest.raises(ValueError, match="pass `global_batch_size`"):

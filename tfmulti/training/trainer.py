@@ -13,6 +13,7 @@ import time
 import keras
 import tensorflow as tf
 
+from tfmulti import data as data_lib
 from tfmulti import strategies
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
@@ -241,14 +242,17 @@ class Trainer:
             if global_batch_size is None:
                 raise ValueError(
                     "`train_data` is a dataset_fn, so pass "
-                    "`global_batch_size` too: dataset_fn(input_context) "
-                    "must batch with input_context.get_per_replica_batch_"
-                    "size(global_batch_size).")
-            return self.strategy.distribute_datasets_from_function(data)
+                    "`global_batch_size` too: the batch summed over all "
+                    "replicas, which tfmulti.distribute_dataset splits.")
+            # The data layer's training mode: sharded, shuffled, repeated,
+            # full per-replica batches.
+            return data_lib.distribute_dataset(
+                self.strategy, data, global_batch_size=global_batch_size)
         raise ValueError(
             f"`train_data` should be a tf.distribute.DistributedDataset, a "
-            f"distributed iterator, a tf.data.Dataset of GLOBAL batches or a "
-            f"dataset_fn(input_context); got {type(data).__name__}.")
+            f"distributed iterator, a tf.data.Dataset of GLOBAL batches or an "
+            f"unbatched dataset_fn(input_context) for tfmulti.distribute_"
+            f"dataset; got {type(data).__name__}.")
 
     def _global_batch_size(self, data, given):
         per_replica = _per_replica_batch(data.element_spec)
@@ -319,8 +323,9 @@ class Trainer:
         Args:
           train_data: a distributed dataset or iterator of per-replica
             `(x, y)` (or `(x, y, sample_weight)`) batches; a `tf.data.Dataset`
-            of global batches; or `dataset_fn(input_context)` with
-            `global_batch_size`. Reused across `fit` calls with the same
+            of global batches; or an unbatched `dataset_fn(input_context)`
+            with `global_batch_size`, fed through
+            `tfmulti.distribute_dataset` (training mode). Reused across `fit` calls with the same
             object, continuing where the last call stopped.
           steps: total number of updates to reach.
           eval_data: evaluated every `eval_every` steps and at the end.
