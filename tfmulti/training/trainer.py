@@ -13,10 +13,11 @@ import time
 import keras
 import tensorflow as tf
 
-from tfmulti import strategies
+from tfmulti import peer_failure, strategies
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
+from tfmulti.training import numerics, preemption
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
 
@@ -304,6 +305,8 @@ class Trainer:
             self._print(f"restored {path} at step {self.step}")
         return checkpointer
 
+    @peer_failure.translating
+    @preemption.watching_preemption
     def fit(self, train_data, *, steps, eval_data=None, eval_every=None,
             callbacks=(), global_batch_size=None, checkpoint_every=None,
             verbose=1):
@@ -373,6 +376,7 @@ class Trainer:
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
             losses = train(iterator, tf.constant(n, tf.int32)).numpy()
+            numerics.check_losses(losses, first_step=start)
             elapsed = time.perf_counter() - began
             self._step.assign_add(n)
             logs = {"loss": float(losses.mean()),
@@ -412,6 +416,8 @@ class Trainer:
                         checkpoint_every is None and evaluate_now)):
                 checkpointer.save(self.step)
                 last_saved = self.step
+            preemption.save_and_exit_if_preempted(
+                self._preemption, checkpointer, self.step, say=self._print)
         callback_list.on_train_end(history)
         return history
 
