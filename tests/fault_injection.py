@@ -7,7 +7,7 @@ Runs tests/workers/reliability_job.py (24 steps, a checkpoint every 4) under
 reference), then R times with a fault: on the first attempt a random worker
 sends itself SIGKILL (or SIGTERM: `--signals KILL TERM` alternates) after a
 random step. After each run it checks that the job finished, that the restart
-resumed from the last checkpoint (SIGKILL: at most one checkpoint interval of
+resumed from the last checkpoint (SIGKILL: at most one checkpoint interval (4) of
 steps repeated; SIGTERM: none, the preemption checkpoint is of the signalled
 step) and that both workers' final weights equal the reference's (max
 absolute difference <= 1e-6). Prints `survived X/R runs, steps lost ...`.
@@ -82,7 +82,7 @@ def check_run(work_dir, reference, signame, fault_step):
         problems.append("no restarted attempt found")
     else:
         repeated = fault_step - starts[0]
-        allowed = CHECKPOINT_EVERY - 1 if signame == "KILL" else 0
+        allowed = CHECKPOINT_EVERY if signame == "KILL" else 0
         if not 0 <= repeated <= allowed:
             problems.append(f"resumed at step {starts[0]} after a fault at "
                             f"step {fault_step}: {repeated} steps repeated, "
