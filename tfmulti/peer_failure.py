@@ -34,7 +34,9 @@ class PeerFailureError(RuntimeError):
         self.num_workers = num_workers
 
 
-def _workers(strategy):
+def task_and_workers(strategy) -> tuple[str, int]:
+    """("worker 1"-style name of this task, number of workers) of `strategy`;
+    ("worker 0", 1) outside a cluster."""
     resolver = getattr(strategy, "cluster_resolver", None)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     count = sum(len(v) if not isinstance(v, dict) else len(v.values())
@@ -50,7 +52,7 @@ def translated(strategy):
     Only under a strategy spanning several workers; otherwise errors pass
     through unchanged.
     """
-    task, num_workers = _workers(strategy)
+    task, num_workers = task_and_workers(strategy)
     try:
         yield
     except _PEER_ERRORS as e:

@@ -23,7 +23,7 @@ import threading
 
 import tensorflow as tf
 
-from tfmulti import exit_codes
+from tfmulti import exit_codes, peer_failure
 
 
 class PreemptionWatcher:
@@ -62,9 +62,8 @@ class PreemptionWatcher:
         must call it at the same point of training.
         """
         local = tf.constant(1.0 if self.signalled else 0.0)
-        if len(self._strategy.extended.worker_devices) == (
-                self._strategy.num_replicas_in_sync):
-            return bool(local.numpy() > 0)
+        if peer_failure.task_and_workers(self._strategy)[1] < 2:
+            return self.signalled
         from tfmulti.training import loop  # noqa: PLC0415 (cycle)
         return bool(loop.sum_over_replicas(self._strategy, local).numpy() > 0)
 
