@@ -136,12 +136,16 @@ class Trainer:
         match the policy the model was built with.
       model_dir: where checkpoints and TensorBoard scalars go; `fit` resumes
         from the latest checkpoint here.
+      on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
+        checkpoint of the weights) or "skip" (skip that update on every
+        replica; see `numerics.skipping_optimizer`).
     """
 
     def __init__(self, model, optimizer, *, loss, strategy=None, metrics=(),
                  grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
-                 mixed_precision=None, model_dir=None):
+                 mixed_precision=None, model_dir=None,
+                 on_nonfinite="raise"):
         if not callable(loss):
             raise ValueError(
                 f"`loss` should be a callable loss(y_true, y_pred) returning "
@@ -159,7 +163,9 @@ class Trainer:
         self._loss = loss
         self.model_dir = model_dir
         self.mixed_precision = self._check_precision(mixed_precision)
+        self._on_nonfinite = numerics.check_on_nonfinite(on_nonfinite)
         with self.strategy.scope():
+            optimizer = numerics.skipping_optimizer(optimizer, on_nonfinite)
             if (self.mixed_precision == "mixed_float16" and not isinstance(
                     optimizer, keras.optimizers.LossScaleOptimizer)):
                 # Its finiteness check runs on the reduced gradients, so the
@@ -376,7 +382,8 @@ class Trainer:
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
             losses = train(iterator, tf.constant(n, tf.int32)).numpy()
-            numerics.check_losses(losses, first_step=start)
+            skipped = numerics.check_losses(
+                losses, first_step=start, on_nonfinite=self._on_nonfinite)
             elapsed = time.perf_counter() - began
             self._step.assign_add(n)
             logs = {"loss": float(losses.mean()),
@@ -391,6 +398,8 @@ class Trainer:
                 **logs, **speed,
                 "learning_rate": float(keras.ops.convert_to_numpy(
                     self.optimizer.learning_rate))})
+            if skipped:
+                self._print(f"skipped non-finite update(s) {skipped}")
             if verbose:
                 self._print(f"step {self.step}/{steps} " + " ".join(
                     f"- {k} {v:.4f}" for k, v in logs.items()) +
