@@ -36,11 +36,8 @@ def _check_against_golden(result, golden, num_examples):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    # The same directory as test_data_tfds.py: prepared once per session.
-    path = tmp_path_factory.getbasetemp() / "tfds"
-    shapes.prepare_default(str(path))
-    return str(path)
+def data_dir(shapes_data_dir):
+    return shapes_data_dir
 
 
 @pytest.fixture(scope="module")

@@ -74,20 +74,12 @@ def test_unprepared_dataset_and_bad_split_are_clear(tmp_path, prepared):
     with pytest.raises(ValueError, match=r"`split`='validation' is not a "
                        r"split of tfmulti_shapes; it has \['test', 'train'\]"):
         tfmulti.tfds_dataset_fn(shapes.NAME, "validation",
-                                data_dir=_data_dir(prepared))
+                                data_dir=prepared.data_dir_root)
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """`tfmulti_shapes` generated and written from scratch, once a session
-    (test_data_distributed.py uses the same directory)."""
-    return shapes.prepare_default(
-        str(tmp_path_factory.getbasetemp() / "tfds"))
-
-
-def _data_dir(builder):
-    # builder.data_dir is DATA_DIR/tfmulti_shapes/1.0.0.
-    return str(builder.data_path.parent.parent)
+def prepared(shapes_builder):
+    return shapes_builder
 
 
 def test_embedded_dataset_is_prepared_into_several_files(prepared):
@@ -99,9 +91,9 @@ def test_embedded_dataset_is_prepared_into_several_files(prepared):
             f"{prepared.data_dir}/{shapes.NAME}-{split}.tfrecord-*")) == 8
     assert prepared.info.features["label"].names == list(shapes.CLASS_NAMES)
     # Preparing again reuses the files; a plain TFDS builder finds them.
-    again = shapes.prepare_default(_data_dir(prepared))
+    again = shapes.prepare_default(prepared.data_dir_root)
     assert again.data_dir == prepared.data_dir
-    assert tfds.builder(shapes.NAME, data_dir=_data_dir(prepared)
+    assert tfds.builder(shapes.NAME, data_dir=prepared.data_dir_root
                         ).is_prepared()
 
 
@@ -122,7 +114,7 @@ def test_generator_is_deterministic_balanced_and_not_blank():
 
 def test_two_pipelines_read_disjoint_files(prepared):
     fn = tfmulti.tfds_dataset_fn(shapes.NAME, "test",
-                                 data_dir=_data_dir(prepared))
+                                 data_dir=prepared.data_dir_root)
     files = sorted(tf.io.gfile.glob(
         f"{prepared.data_dir}/{shapes.NAME}-test.tfrecord-*"))
     features = prepared.info.features
@@ -146,7 +138,7 @@ def test_two_pipelines_read_disjoint_files(prepared):
 
 def test_three_pipelines_evaluate_every_test_example_once(prepared):
     fn = tfmulti.tfds_dataset_fn(shapes.NAME, "test",
-                                 data_dir=_data_dir(prepared))
+                                 data_dir=prepared.data_dir_root)
     options = PipelineOptions(global_batch_size=3 * 64, training=False)
     lengths, digests = [], []
     for ctx in _contexts(3):

@@ -136,21 +136,3 @@ def test_loop_wants_a_tensor_step_count(strategy):
     with pytest.raises(ValueError, match=r"`num_steps` should be a "
                        r"`tf.Tensor`, got 3"):
         train(iter([]), 3)
-
-
-def test_one_device_fit_and_evaluate(strategy, capsys):
-    model, optimizer = build(strategy)
-    trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=strategy,
-                              metrics=["sparse_categorical_accuracy"],
-                              steps_per_loop=3)
-    history = trainer.fit(data(), steps=7, eval_data=data(8).take(2),
-                          verbose=1)
-    assert history["step"] == [3, 6, 7] and len(history["step_loss"]) == 7
-    assert history["val_step"] == [7]
-    assert "step 7/7 - loss" in capsys.readouterr().out
-    # All labels are 0: the model learns it, and evaluate agrees with fit.
-    assert history["step_loss"][-1] < history["step_loss"][0]
-    assert trainer.evaluate(data(8).take(2)) == pytest.approx(
-        {"loss": history["val_loss"][-1],
-         "sparse_categorical_accuracy":
-             history["val_sparse_categorical_accuracy"][-1]})

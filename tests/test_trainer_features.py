@@ -43,6 +43,7 @@ def test_overflow_on_one_replica_skips_the_update_on_both(results):
     assert overflow["replicas_equal_after"]
     assert overflow["scale_after"] == overflow["scale_before"] / 2
     assert overflow["next_step_trains"]
+    assert overflow["finite_after_next"]
 
 
 @pytest.mark.slow

@@ -88,6 +88,11 @@ results["overflow"] = {
     "iterations_after": int(trainer.optimizer.iterations.numpy()),
     "next_step_trains": not all(
         np.array_equal(a[0], n[0]) for a, n in zip(after, after_next)),
+    # Weights and every optimizer slot stay finite after the skipped step.
+    "finite_after_next": all(
+        np.isfinite(r).all() for v in after_next for r in v) and all(
+            np.isfinite(np.asarray(v.numpy())).all()
+            for v in trainer.optimizer.variables),
 }
 
 # Resume: 4 steps, a new process-state (fresh model, optimizer, Trainer and

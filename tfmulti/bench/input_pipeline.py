@@ -22,24 +22,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import models
 from tfmulti.data import pipeline, shapes, tfds_source
-
-
-def cnn() -> keras.Sequential:
-    """The small CNN both benchmarks train: uint8 images in, 10 logits out."""
-    return keras.Sequential([
-        keras.Input((shapes.IMAGE_SIZE, shapes.IMAGE_SIZE, 3), dtype="uint8"),
-        keras.layers.Rescaling(1.0 / 255),
-        keras.layers.Conv2D(32, 3, activation="relu", padding="same"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu", padding="same"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, activation="relu", padding="same"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(len(shapes.CLASS_NAMES)),
-    ])
 
 
 def random_flip(image, label):
@@ -111,7 +95,7 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
     builder = shapes.prepare_default(data_dir)
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = cnn()
+        model = models.small_cnn(batch_norm=False)
         optimizer = keras.optimizers.Adam(1e-3)
         optimizer.build(model.trainable_variables)
     train = _train_loop(strategy, model, optimizer, global_batch_size)

@@ -48,13 +48,20 @@ def create_train_loop(step_fn, *, strategy):
       a scalar `tf.Tensor`, so that one trace serves every loop length.
     """
 
+    num_local = len(strategy.extended.worker_devices)
+
     @tf.function
     def loop(iterator, num_steps):
-        values = tf.TensorArray(tf.float32, size=num_steps)
+        # One array per local replica, written on that replica's device: no
+        # cross-device copy per step, one sum after the loop.
+        values = [tf.TensorArray(tf.float32, size=num_steps)
+                  for _ in range(num_local)]
         for i in tf.range(num_steps):
             local = strategy.experimental_local_results(step_fn(iterator))
-            values = values.write(i, tf.cast(tf.add_n(local), tf.float32))
-        return sum_over_replicas(strategy, values.stack())
+            values = [array.write(i, tf.cast(value, tf.float32))
+                      for array, value in zip(values, local)]
+        return sum_over_replicas(strategy, tf.add_n(
+            [array.stack() for array in values]))
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)

@@ -23,6 +23,11 @@ class ScalarWriter:
             model_dir and checkpoints.is_chief(strategy)) else None
         self._writer = None
 
+    @property
+    def active(self) -> bool:
+        """Whether this process writes (the chief, with a `model_dir`)."""
+        return self._directory is not None
+
     def write(self, step: int, scalars: dict) -> None:
         """Writes each `name: value` of `scalars` at `step`."""
         if self._directory is None:

@@ -183,8 +183,9 @@ class Trainer:
         self.optimizer = optimizer
         self._loops = {}
         self._eval_fn = None
-        self._source = None
-        self._iterator = None
+        # The last `train_data` given to fit, its iterator and global batch:
+        # the same object given again continues where it stopped.
+        self._source = self._iterator = self._source_batch = None
 
     @property
     def step(self) -> int:
@@ -192,9 +193,9 @@ class Trainer:
         return int(self._step.numpy())
 
     def _check_precision(self, mixed_precision):
-        policy = model_policy = self.model.dtype_policy.name
+        model_policy = self.model.dtype_policy.name
         if mixed_precision is None:
-            return policy if policy in MIXED_PRECISION else None
+            return model_policy if model_policy in MIXED_PRECISION else None
         if mixed_precision not in MIXED_PRECISION:
             raise ValueError(
                 f"`mixed_precision` is {mixed_precision!r}; use None or one "
@@ -371,9 +372,11 @@ class Trainer:
             *[m.name for m in self.metrics])}
         examples_per_step = batch * self._options.grad_accum_steps
         callback_list.on_train_begin()
-        last_saved = self.step
-        while self.step < steps and not self.model.stop_training:
-            start = self.step
+        # Read once: a read of the mirrored step variable per use would
+        # cost device round trips every loop.
+        step = last_saved = self.step
+        while step < steps and not self.model.stop_training:
+            start = step
             n = min(self._steps_per_loop, steps - start)
             if eval_every is not None and eval_data is not None:
                 n = min(n, eval_every - start % eval_every)
@@ -386,47 +389,49 @@ class Trainer:
                 losses, first_step=start, on_nonfinite=self._on_nonfinite)
             elapsed = time.perf_counter() - began
             self._step.assign_add(n)
+            step += n
             logs = {"loss": float(losses.mean()),
                     **{m.name: float(m.result()) for m in self.metrics}}
             speed = {"steps_per_sec": n / elapsed,
                      "examples_per_sec": n * examples_per_step / elapsed}
-            history["step"].append(self.step)
+            history["step"].append(step)
             history["step_loss"].extend(float(v) for v in losses)
             for key, value in {**logs, **speed}.items():
                 history[key].append(value)
-            train_writer.write(self.step, {
-                **logs, **speed,
-                "learning_rate": float(keras.ops.convert_to_numpy(
-                    self.optimizer.learning_rate))})
+            if train_writer.active:
+                train_writer.write(step, {
+                    **logs, **speed,
+                    "learning_rate": float(keras.ops.convert_to_numpy(
+                        self.optimizer.learning_rate))})
             if skipped:
                 self._print(f"skipped non-finite update(s) {skipped}")
             if verbose:
-                self._print(f"step {self.step}/{steps} " + " ".join(
+                self._print(f"step {step}/{steps} " + " ".join(
                     f"- {k} {v:.4f}" for k, v in logs.items()) +
                     f" - {speed['steps_per_sec']:.1f} steps/s")
-            callback_list.on_train_batch_end(self.step - 1, logs)
-            at_end = self.step >= steps or self.model.stop_training
+            callback_list.on_train_batch_end(step - 1, logs)
+            at_end = step >= steps or self.model.stop_training
             evaluate_now = eval_data is not None and (at_end or (
-                eval_every is not None and self.step % eval_every == 0))
+                eval_every is not None and step % eval_every == 0))
             if evaluate_now:
                 callback_list.on_test_begin()
                 results = self.evaluate(eval_data)
                 callback_list.on_test_end(results)
-                history.setdefault("val_step", []).append(self.step)
+                history.setdefault("val_step", []).append(step)
                 for key, value in results.items():
                     history.setdefault(f"val_{key}", []).append(value)
-                eval_writer.write(self.step, results)
+                eval_writer.write(step, results)
                 if verbose:
-                    self._print(f"eval at step {self.step} " + " ".join(
+                    self._print(f"eval at step {step} " + " ".join(
                         f"- {k} {v:.4f}" for k, v in results.items()))
             if checkpointer is not None and (at_end or (
                     checkpoint_every is not None and
-                    self.step - last_saved >= checkpoint_every) or (
+                    step - last_saved >= checkpoint_every) or (
                         checkpoint_every is None and evaluate_now)):
-                checkpointer.save(self.step)
-                last_saved = self.step
+                checkpointer.save(step)
+                last_saved = step
             preemption.save_and_exit_if_preempted(
-                self._preemption, checkpointer, self.step, say=self._print)
+                self._preemption, checkpointer, step, say=self._print)
         callback_list.on_train_end(history)
         return history
 
