@@ -149,3 +149,31 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
                             value=variable).restore_latest()
     assert restored.endswith("ckpt-1")
     assert float(variable[0]) == 1.0 and float(variable[-1]) == 1.0
+
+
+def test_skip_option_skips_exactly_the_nonfinite_update(tmp_path):
+    x = np.random.default_rng(0).normal(size=(48, 4)).astype("float32")
+    y = (np.arange(48) % 3).astype("int32")
+    bad = x.copy()
+    bad[16] = np.nan                      # batch 2 -> step 3
+    with STRATEGY.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=STRATEGY,
+                              steps_per_loop=6, on_nonfinite="skip",
+                              model_dir=str(tmp_path))
+    history = trainer.fit(tf.data.Dataset.from_tensor_slices((bad, y)).batch(
+        8, drop_remainder=True), steps=6, verbose=0)
+    assert np.isnan(history["step_loss"][2])
+    assert np.all(np.isfinite(np.delete(history["step_loss"], 2)))
+    # The same updates without batch 2 at all: one device, plain optimizer.
+    reference = make_trainer(tmp_path / "reference", steps_per_loop=5)
+    keep = np.r_[0:16, 24:48]
+    reference.fit(tf.data.Dataset.from_tensor_slices((x[keep], y[keep])).batch(
+        8, drop_remainder=True), steps=5, verbose=0)
+    for a, b in zip(model.weights, reference.model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+    with pytest.raises(ValueError, match="`on_nonfinite` is 'ignore'"):
+        tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=STRATEGY,
+                        on_nonfinite="ignore")
