@@ -47,3 +47,27 @@ def test_survivor_fails_within_the_bound_naming_the_cause(tmp_path):
     assert "another worker died, was preempted or became unreachable" in (
         message)
     assert "tfmulti-launch --max_restarts" in message
+    # The collective timeout create_strategy sets by default for
+    # multi_worker (the bound for a peer that is alive but stuck).
+    assert "timeout=600.0" in out0
+
+
+@pytest.mark.slow
+def test_stuck_peer_hits_the_collective_timeout(tmp_path):
+    # Worker 1 stays alive but stops taking part (sleeps 12 s): heartbeats
+    # go on, so only `timeout_seconds` (5 s here) ends worker 0's wait.
+    results = run_workers(
+        ["tests/workers/reliability_job.py", str(tmp_path / "model"),
+         str(tmp_path), "--timeout_seconds", "5"], 2, timeout=240,
+        check=False, env={"TFMULTI_FAULT": "1:5:STALL"})
+    (code0, out0), (code1, _) = results
+    assert code0 == 1 and code1 == 3, out0[-3000:]
+    stalled = float((tmp_path / "died-1").read_text())
+    match = re.search(r"PEER_FAILURE (\S+) (.*)", out0)
+    assert match, out0[-3000:]
+    seconds = float(match.group(1)) - stalled
+    print(f"survivor failed {seconds:.1f} s after its peer stalled "
+          "(timeout_seconds=5)")
+    assert 4 <= seconds < 5 + PEER_FAILURE_BOUND_SECONDS
+    assert "DeadlineExceededError" in match.group(2)
+    assert "did not join it within `timeout_seconds`=5.0" in match.group(2)

@@ -59,11 +59,21 @@ def translated(strategy):
         if num_workers < 2:
             raise
         index = int(task.split()[-1])
+        if isinstance(e, tf.errors.DeadlineExceededError):
+            timeout = getattr(getattr(
+                strategy, "_tfmulti_communication_options", None),
+                "timeout_seconds", None)
+            cause = ("another worker did not join it within `timeout_"
+                     f"seconds`={timeout} of create_strategy: it is stuck, "
+                     "far slower, or dead (raise the timeout if the job "
+                     "legitimately waits longer)")
+        else:
+            cause = ("another worker died, was preempted or became "
+                     "unreachable")
         raise PeerFailureError(
             f"{task} (of {num_workers} workers): a collective operation "
-            f"failed with {type(e).__name__}, most likely because another "
-            "worker died, was preempted or became unreachable (or exceeded "
-            "`timeout_seconds` of create_strategy). A MultiWorkerMirrored "
+            f"failed with {type(e).__name__}, most likely because {cause}. "
+            "A MultiWorkerMirrored "
             "job cannot continue without it: restart all workers (tfmulti-"
             "launch --max_restarts does) and training resumes from the last "
             "checkpoint in model_dir. Check the other workers' logs for the "

@@ -9,7 +9,9 @@ attempt=A` once training (re)starts. Faults come from the environment:
 
   TFMULTI_FAULT=WORKER:STEP:SIGNAL   on attempt 0 (TFMULTI_LAUNCH_ATTEMPT),
       worker WORKER sends itself SIGNAL (KILL or TERM) after step STEP;
-  TFMULTI_FAULT=WORKER:before_fit:KILL   it dies before training starts.
+  TFMULTI_FAULT=WORKER:before_fit:KILL   it dies before training starts;
+  TFMULTI_FAULT=WORKER:STEP:STALL   it stops responding (sleeps 12 s, then
+      exits 3) while staying alive: only a collective timeout catches that.
 
 A worker that sees a peer failure prints `PEER_FAILURE <unix time>` and the
 error; the one that kills itself first writes OUT_DIR/died-<worker> with the
@@ -27,20 +29,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
 
-strategy = tfmulti.create_strategy("auto")
+parser = argparse.ArgumentParser()
+parser.add_argument("model_dir")
+parser.add_argument("out_dir")
+parser.add_argument("--steps", type=int, default=24)
+parser.add_argument("--checkpoint_every", type=int, default=4)
+parser.add_argument("--timeout_seconds", type=float, default=None)
+args = parser.parse_args()
+
+strategy = tfmulti.create_strategy("auto",
+                                   timeout_seconds=args.timeout_seconds)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmulti import peer_failure  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("model_dir")
-parser.add_argument("out_dir")
-parser.add_argument("--steps", type=int, default=24)
-parser.add_argument("--checkpoint_every", type=int, default=4)
-args = parser.parse_args()
 
 GLOBAL_BATCH = 16
 index = json.loads(os.environ.get("TF_CONFIG", "{}")).get(
@@ -88,13 +92,22 @@ trainer = tfmulti.Trainer(
 
 class Fault(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
-        print(f"START step={trainer.step} attempt={attempt}", flush=True)
+        timeout = tfmulti.strategies.communication_options(
+            strategy).timeout_seconds
+        print(f"START step={trainer.step} attempt={attempt} "
+              f"timeout={timeout}", flush=True)
 
     def on_train_batch_end(self, batch, logs=None):
         if my_fault and batch + 1 == int(fault_step):
             print(f"FAULT SIG{fault_signal} at step {batch + 1}", flush=True)
             if fault_signal == "KILL":
                 die("KILL")
+            if fault_signal == "STALL":
+                with open(os.path.join(args.out_dir, f"died-{index}"),
+                          "w") as f:
+                    f.write(repr(time.time()))
+                time.sleep(12)
+                os._exit(3)
             os.kill(os.getpid(), signal.SIGTERM)
 
 
