@@ -52,6 +52,15 @@ def skipping_optimizer(optimizer, on_nonfinite: str):
         optimizer, initial_scale=1.0, dynamic_growth_steps=_NEVER)
 
 
+def mode_for(optimizer, on_nonfinite: str) -> str:
+    """"skip" whenever `optimizer` is a LossScaleOptimizer: it already skips
+    non-finite updates on every replica (float16 overflows are routine and
+    lower its scale), so raising would break dynamic loss scaling."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return "skip"
+    return on_nonfinite
+
+
 def check_losses(losses, *, first_step: int, on_nonfinite: str = "raise"
                  ) -> list[int]:
     """Raises `NonFiniteLossError` naming the first step with a bad loss.

@@ -386,7 +386,8 @@ class Trainer:
             began = time.perf_counter()
             losses = train(iterator, tf.constant(n, tf.int32)).numpy()
             skipped = numerics.check_losses(
-                losses, first_step=start, on_nonfinite=self._on_nonfinite)
+                losses, first_step=start, on_nonfinite=numerics.mode_for(
+                    self.optimizer, self._on_nonfinite))
             elapsed = time.perf_counter() - began
             self._step.assign_add(n)
             step += n
