@@ -75,6 +75,8 @@ def check_run(work_dir, reference, signame, fault_step):
         problems.append(f"launcher exited {code}: {log[-1500:]}")
     if f"FAULT SIG{signame} at step {fault_step}" not in out:
         problems.append("the fault did not fire")
+    if signame == "TERM" and "was preempted (SIGTERM)" not in log:
+        problems.append("the launcher did not report the preemption exit")
     starts = [int(s) for s in re.findall(
         r"\[w0\] START step=(\d+) attempt=1", out)]
     repeated = None

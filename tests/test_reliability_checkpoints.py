@@ -6,7 +6,6 @@ except the killed save (a subprocess)."""
 
 import os
 import signal
-import subprocess
 import sys
 import time
 

@@ -4,7 +4,6 @@ surviving worker fails within the stated bound with an error naming the
 cause."""
 
 import re
-import time
 
 import pytest
 
