@@ -9,14 +9,17 @@ from tfmulti import keras
 from tfmulti.cluster import ClusterConfig, cluster_config
 from tfmulti.data import distribute_dataset, tfds_dataset_fn
 from tfmulti.devices import simulate_devices
+from tfmulti.peer_failure import PeerFailureError
 from tfmulti.schedules import scaled_learning_rate
 from tfmulti.strategies import create_strategy
-from tfmulti.training import Trainer
+from tfmulti.training import NonFiniteLossError, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterConfig",
+    "NonFiniteLossError",
+    "PeerFailureError",
     "Trainer",
     "cluster_config",
     "create_strategy",

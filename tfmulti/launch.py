@@ -23,6 +23,7 @@ import threading
 import time
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import exit_codes
 
 # How long a worker gets to exit after SIGTERM before it is killed; long
 # enough for a preemption checkpoint of a small model.
@@ -129,6 +130,9 @@ def _relay(proc, index):
 
 
 def _describe(code):
+    meaning = exit_codes.describe(code)
+    if meaning:
+        return meaning
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"

@@ -25,6 +25,11 @@ _IMPLEMENTATIONS = {
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
 
+# A collective that waits longer fails (a peer alive but stuck; a dead peer
+# is caught sooner by the coordination service's heartbeat, ~10 s). Long
+# enough for a slow first trace or a chief-only save on another worker.
+DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS = 600.0
+
 _log = logging.getLogger(__name__)
 
 
@@ -106,7 +111,9 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
       pack_bytes: pack gradients into chunks of this many bytes before the
         all-reduce (fewer, larger collectives); None leaves it to TensorFlow.
       timeout_seconds: fail a collective that waits longer than this (e.g. a
-        dead peer) instead of waiting forever.
+        stuck peer) instead of waiting forever. Default: for multi_worker
+        `DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS` (600), else none; `math.inf`
+        for none.
       cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
         SLURM or Kubernetes from the environment).
 
@@ -150,6 +157,10 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         raise ValueError(
             "`all_reduce`='nccl' needs GPUs, and this machine has none. Use "
             f"all_reduce='auto' (or {'ring' if name == 'multi_worker' else 'reduce_to_one'!r}).")
+    if timeout_seconds is None and name == "multi_worker":
+        timeout_seconds = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
+    if timeout_seconds == float("inf"):
+        timeout_seconds = None
     options = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=pack_bytes or 0, timeout_seconds=timeout_seconds,
         implementation=_IMPLEMENTATIONS.get(all_reduce, _IMPLEMENTATIONS[

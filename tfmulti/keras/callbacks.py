@@ -22,12 +22,17 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import exit_codes
+from tfmulti.training import numerics
+from tfmulti.training import preemption
 
 BACKUP_DIR = "backup"
 CHECKPOINT_DIR = "checkpoints"
@@ -75,10 +80,18 @@ class BackupAndRestore(keras.callbacks.Callback):
       delete_on_end: remove `backup_dir` when `fit` completes.
       num_workers: training processes of the job (1 skips the agreement
         check).
+      save_on_preemption: on SIGTERM to any worker, all workers agree (one
+        small all-reduce per batch under several workers) to back up the
+        current batch and exit with `tfmulti.exit_codes.PREEMPTED`.
+
+    A batch whose (cross-replica) loss is NaN or inf raises
+    `NonFiniteLossError` naming the epoch and batch, and no backup of
+    non-finite weights is ever written.
     """
 
     def __init__(self, backup_dir, *, restore_dir=None, save_freq="epoch",
-                 delete_on_end=True, num_workers=1):
+                 delete_on_end=True, num_workers=1,
+                 save_on_preemption=True):
         super().__init__()
         if not backup_dir:
             raise ValueError(f"`backup_dir` should be a directory path, got "
@@ -90,8 +103,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_on_end = delete_on_end
         self.num_workers = num_workers
         self.restored = None
+        self.save_on_preemption = save_on_preemption
         self._epoch = 0
         self._skipper = None
+        self._watcher = None
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -114,6 +129,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if batch:
             self._skipper = _SkipBatches(model, batch)
             model.train_function = self._skipper
+        if self.save_on_preemption:
+            self._watcher = preemption.PreemptionWatcher(
+                model.distribute_strategy).__enter__()
 
     def _restore(self):
         failures = []
@@ -137,13 +155,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        if self._watcher is not None and self._watcher.agreed():
+            self._stop_preempted(done)
         if self._skipper is not None:
             # Until the skipped batches are behind, the weights are still
             # the restored ones: nothing new to back up.
             if not self._skipper.remaining:
                 self._unwrap()
             return
-        done = batch + 1
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(float(loss)):
+            raise numerics.NonFiniteLossError(
+                f"The training loss is {float(loss)} at epoch {self._epoch} "
+                f"batch {done}; training stopped before backing up these "
+                f"weights, so {self.restore_dir} still holds the last finite "
+                "state. Usual fixes: a lower learning rate, clipping "
+                "(`global_clipnorm`), or check the input for NaN/inf.",
+                step=done)
         if (self.save_freq != "epoch" and done % self.save_freq == 0 and
                 done != self.params.get("steps")):
             self._save(self._epoch, done)
@@ -152,7 +181,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._unwrap()
         self._save(epoch + 1, 0)
 
+    def _stop_preempted(self, done):
+        if self._skipper is None:
+            if done == self.params.get("steps"):
+                self._save(self._epoch + 1, 0)
+            else:
+                self._save(self._epoch, done)
+        print(f"preempted: backed up epoch {self._epoch} batch {done}; "
+              f"exiting with code {exit_codes.PREEMPTED}", flush=True)
+        self._close_watcher()
+        sys.exit(exit_codes.PREEMPTED)
+
+    def _close_watcher(self):
+        if self._watcher is not None:
+            self._watcher.__exit__(None, None, None)
+            self._watcher = None
+
     def on_train_end(self, logs=None):
+        self._close_watcher()
         self._unwrap()
         if getattr(self.model, "_initial_epoch", None):
             # Keras never resets it: a second `fit` would start there too.
@@ -167,6 +213,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._skipper = None
 
     def _save(self, epoch, batch):
+        variables = list(self.model.weights) + list(
+            getattr(self.model.optimizer, "variables", None) or [])
+        bad = numerics.nonfinite_variables(variables)
+        if bad:
+            raise ValueError(
+                f"Refusing to back up epoch {epoch} batch {batch} to "
+                f"`backup_dir` {self.backup_dir!r}: {len(bad)} variable(s) "
+                f"hold NaN or inf (first: {bad[0]!r}). The existing backup is "
+                "the last finite state; fix the divergence and resume.")
         os.makedirs(self.backup_dir, exist_ok=True)
         existing = _state_dirs(self.backup_dir)
         number = _state_number(existing[-1]) + 1 if existing else 0

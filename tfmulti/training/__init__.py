@@ -5,6 +5,8 @@ from tfmulti.training.checkpoints import Checkpointer, is_chief
 from tfmulti.training.gradients import (all_reduce_sum, clip_by_global_norm,
                                         disable_optimizer_reduction)
 from tfmulti.training.loop import create_train_loop
+from tfmulti.training.numerics import NonFiniteLossError
+from tfmulti.training.preemption import PreemptionWatcher
 from tfmulti.training.step import GradientOptions, TrainStep
 from tfmulti.training.summaries import ScalarWriter
 from tfmulti.training.trainer import Trainer
@@ -12,6 +14,8 @@ from tfmulti.training.trainer import Trainer
 __all__ = [
     "Checkpointer",
     "GradientOptions",
+    "NonFiniteLossError",
+    "PreemptionWatcher",
     "ScalarWriter",
     "TrainStep",
     "Trainer",

@@ -14,10 +14,11 @@ import keras
 import tensorflow as tf
 
 from tfmulti import data as data_lib
-from tfmulti import strategies
+from tfmulti import peer_failure, strategies
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
+from tfmulti.training import numerics, preemption
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
 
@@ -136,12 +137,16 @@ class Trainer:
         match the policy the model was built with.
       model_dir: where checkpoints and TensorBoard scalars go; `fit` resumes
         from the latest checkpoint here.
+      on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
+        checkpoint of the weights) or "skip" (skip that update on every
+        replica; see `numerics.skipping_optimizer`).
     """
 
     def __init__(self, model, optimizer, *, loss, strategy=None, metrics=(),
                  grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
-                 mixed_precision=None, model_dir=None):
+                 mixed_precision=None, model_dir=None,
+                 on_nonfinite="raise"):
         if not callable(loss):
             raise ValueError(
                 f"`loss` should be a callable loss(y_true, y_pred) returning "
@@ -159,7 +164,9 @@ class Trainer:
         self._loss = loss
         self.model_dir = model_dir
         self.mixed_precision = self._check_precision(mixed_precision)
+        self._on_nonfinite = numerics.check_on_nonfinite(on_nonfinite)
         with self.strategy.scope():
+            optimizer = numerics.skipping_optimizer(optimizer, on_nonfinite)
             if (self.mixed_precision == "mixed_float16" and not isinstance(
                     optimizer, keras.optimizers.LossScaleOptimizer)):
                 # Its finiteness check runs on the reduced gradients, so the
@@ -309,6 +316,8 @@ class Trainer:
             self._print(f"restored {path} at step {self.step}")
         return checkpointer
 
+    @peer_failure.translating
+    @preemption.watching_preemption
     def fit(self, train_data, *, steps, eval_data=None, eval_every=None,
             callbacks=(), global_batch_size=None, checkpoint_every=None,
             verbose=1):
@@ -381,6 +390,9 @@ class Trainer:
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
             losses = train(iterator, tf.constant(n, tf.int32)).numpy()
+            skipped = numerics.check_losses(
+                losses, first_step=start, on_nonfinite=numerics.mode_for(
+                    self.optimizer, self._on_nonfinite))
             elapsed = time.perf_counter() - began
             self._step.assign_add(n)
             step += n
@@ -397,6 +409,8 @@ class Trainer:
                     **logs, **speed,
                     "learning_rate": float(keras.ops.convert_to_numpy(
                         self.optimizer.learning_rate))})
+            if skipped:
+                self._print(f"skipped non-finite update(s) {skipped}")
             if verbose:
                 self._print(f"step {step}/{steps} " + " ".join(
                     f"- {k} {v:.4f}" for k, v in logs.items()) +
@@ -422,6 +436,8 @@ class Trainer:
                         checkpoint_every is None and evaluate_now)):
                 checkpointer.save(step)
                 last_saved = step
+            preemption.save_and_exit_if_preempted(
+                self._preemption, checkpointer, step, say=self._print)
         callback_list.on_train_end(history)
         return history
 

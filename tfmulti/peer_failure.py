@@ -1,0 +1,92 @@
+"""Turning TensorFlow's errors about a lost peer into one that says so.
+
+MultiWorkerMirroredStrategy cannot continue when a worker dies: the
+coordination service's heartbeat (or a collective's `timeout_seconds`) makes
+every surviving worker's next or pending collective fail, but with
+`UnavailableError`, `DeadlineExceededError`, `AbortedError` or
+`CancelledError` and text about RPCs and collective keys. `translated` turns
+those into a `PeerFailureError` naming the worker that saw it, the likely
+cause and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import tensorflow as tf
+
+_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                tf.errors.AbortedError, tf.errors.CancelledError)
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another worker died or became unreachable.
+
+    Attributes:
+      worker: this worker's task index.
+      num_workers: the number of workers in the job.
+    """
+
+    def __init__(self, message, *, worker, num_workers):
+        super().__init__(message)
+        self.worker = worker
+        self.num_workers = num_workers
+
+
+def task_and_workers(strategy) -> tuple[str, int]:
+    """("worker 1"-style name of this task, number of workers) of `strategy`;
+    ("worker 0", 1) outside a cluster."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    count = sum(len(v) if not isinstance(v, dict) else len(v.values())
+                for k, v in spec.items() if k in ("chief", "worker"))
+    task = f"{resolver.task_type} {resolver.task_id}" if spec else "worker 0"
+    return task, max(count, 1)
+
+
+@contextlib.contextmanager
+def translated(strategy):
+    """Re-raises a lost-peer TensorFlow error as `PeerFailureError`.
+
+    Only under a strategy spanning several workers; otherwise errors pass
+    through unchanged.
+    """
+    task, num_workers = task_and_workers(strategy)
+    try:
+        yield
+    except _PEER_ERRORS as e:
+        if num_workers < 2:
+            raise
+        index = int(task.split()[-1])
+        if isinstance(e, tf.errors.DeadlineExceededError):
+            timeout = getattr(getattr(
+                strategy, "_tfmulti_communication_options", None),
+                "timeout_seconds", None)
+            cause = ("another worker did not join it within `timeout_"
+                     f"seconds`={timeout} of create_strategy: it is stuck, "
+                     "far slower, or dead (raise the timeout if the job "
+                     "legitimately waits longer)")
+        else:
+            cause = ("another worker died, was preempted or became "
+                     "unreachable")
+        raise PeerFailureError(
+            f"{task} (of {num_workers} workers): a collective operation "
+            f"failed with {type(e).__name__}, most likely because {cause}. "
+            "A MultiWorkerMirrored "
+            "job cannot continue without it: restart all workers (tfmulti-"
+            "launch --max_restarts does) and training resumes from the last "
+            "checkpoint in model_dir. Check the other workers' logs for the "
+            f"first failure. TensorFlow said: {str(e).strip()[:500]}",
+            worker=index, num_workers=num_workers) from e
+
+
+def translating(method):
+    """Decorates a method of an object with `.strategy` with `translated`."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with translated(self.strategy):
+            return method(self, *args, **kwargs)
+
+    return wrapper
