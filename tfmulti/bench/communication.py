@@ -134,21 +134,20 @@ def _reduce_fn(strategy, shapes, config):
         return tf.add_n([r[0] if r.shape.rank == 1 else r[0, 0]
                          for r in reduced])
 
-    @tf.function
-    def loop(num_steps):
-        total = tf.constant(0.0)
-        for step in tf.range(num_steps):
-            total += strategy.experimental_local_results(
-                strategy.run(replica_fn, args=(step,)))[0]
-        return total
-
-    return loop
+    return _loop(strategy, replica_fn)
 
 
 def _fill_only_fn(strategy, shapes):
     def replica_fn(step):
         grads = [tf.fill(shape, tf.cast(step, tf.float32)) for shape in shapes]
         return tf.add_n([tf.reduce_sum(g[:1]) for g in grads])
+
+    return _loop(strategy, replica_fn)
+
+
+def _loop(strategy, replica_fn):
+    """`loop(num_steps)`: `replica_fn(step)` on every replica, num_steps
+    times in one `tf.function`; the sum of its values keeps it live."""
 
     @tf.function
     def loop(num_steps):
