@@ -34,6 +34,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tfmulti.bench import communication  # noqa: E402
+
 BATCH = 32
 STEPS = 8
 rng = np.random.default_rng(0)
@@ -130,9 +132,8 @@ def count_gradient_all_reduces(strategy, k):
     loop = next(iter(trainer._loops.values())).traced
     graph = loop.get_concrete_function(
         trainer._iterator, tf.constant(1)).graph.as_graph_def()
-    return sum(1 for f in graph.library.function
-               if "while_body" in f.signature.name
-               for node in f.node_def if node.op == "CollectiveReduceV2")
+    return communication.count_ops(graph, "CollectiveReduceV2",
+                                   within="while_body")
 
 
 results = {}

@@ -1,0 +1,99 @@
+"""python -m tfmulti.bench: the tiniest run writes a well-formed report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from tests.subproc import run_python
+from tfmulti.bench import communication, report
+from tfmulti.bench import __main__ as bench_main
+
+
+def test_gradient_shapes_have_about_the_asked_parameters():
+    shapes = communication.gradient_shapes(10_000_000)
+    params = sum(math.prod(shape) for shape in shapes)
+    assert len(shapes) == 8
+    assert 0.99e7 < params < 1.01e7
+
+
+def test_bad_reduce_config_and_mode_are_named():
+    with pytest.raises(ValueError, match="`dtype` is 'int8'"):
+        communication.ReduceConfig("x", dtype="int8")
+    with pytest.raises(ValueError, match="`pack_bytes` .* got -1"):
+        communication.ReduceConfig("x", pack_bytes=-1)
+    with pytest.raises(ValueError, match="`mode` is 'fast'"):
+        bench_main.run(out="unused", mode="fast")
+    with pytest.raises(ValueError, match="unknown parts \\['speed'\\]"):
+        bench_main.run(out="unused", only=["speed"])
+
+
+def test_methods_include_variants_the_step_benchmark_adds():
+    figures = {"bare_loop_32": 3.0, "keras_fit": 1.0, "tfmulti_fit_32": 2.0,
+               "trainer_32_vs_bare": 0.9, "replicas": 4, "rounds": {}}
+    assert report.methods(figures) == ["bare_loop_32", "keras_fit",
+                                       "tfmulti_fit_32"]
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
+                                                         shapes_data_dir):
+    out = tmp_path / "bench"
+    run_python(["-m", "tfmulti.bench", "--tiny", "--out", str(out),
+                "--data_dir", str(shapes_data_dir), "--timeout", "300"],
+               timeout=420)
+    results = json.loads((out / "results.json").read_text())
+    for key in report.TOP_LEVEL_KEYS:
+        assert key in results, key
+    assert results["schema_version"] == report.SCHEMA_VERSION
+    assert results["errors"] == {}
+    assert results["machine"]["cpus"] >= 1
+
+    for model in ("mlp", "cnn"):
+        by_n = results["step_overhead"][model]
+        assert sorted(by_n) == ["1", "2"]
+        for n, figures in by_n.items():
+            assert figures["replicas"] == int(n)
+            for method in ("bare_loop_32", "trainer_32", "trainer_1",
+                           "keras_fit"):
+                assert figures[method] > 0
+            assert figures["trainer_32_vs_bare"] > 0
+        scaling = results["replica_overhead"][model]["trainer_32"]
+        assert scaling["1"] == 1.0 and scaling["2"] > 0
+
+    pipe = results["input_pipeline"]
+    assert set(pipe["steps_per_s"]) == {"pipeline", "pipeline_map", "memory"}
+    assert pipe["ratio_paired"] > 0
+
+    comm = results["communication"]
+    assert comm["workers"] == 2
+    configs = comm["configs"]
+    f32, b16, f16 = (configs[f"one_pack_{d}"]
+                     for d in ("float32", "bfloat16", "float16"))
+    # Bytes follow the dtype the traced collective actually carries.
+    assert f32["wire_dtypes"] == ["float32"]
+    assert b16["wire_dtypes"] == ["bfloat16"]
+    assert f16["wire_dtypes"] == ["float16"]
+    assert b16["payload_bytes"] * 2 == f32["payload_bytes"] == (
+        comm["params"] * 4)
+    assert configs["per_tensor_float32"]["collectives_per_step"] == (
+        comm["gradient_tensors"])
+    assert f32["collectives_per_step"] == 1
+    assert all(c["seconds_per_step"] > 0 for c in configs.values())
+
+    mem = results["accumulation_memory"]
+    assert mem["accumulated"]["examples_per_update"] == (
+        mem["large_batch"]["examples_per_update"])
+    assert mem["accum_vs_batch"] > 0
+    assert {g["name"] for g in results["goals"]} >= {
+        "bfloat16 bytes / float32 bytes", "peak memory: accumulate K x B / "
+        "batch B"}
+
+    markdown = (out / "results.md").read_text()
+    assert "Machine:" in markdown and "## Communication" in markdown
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("steps_per_s.png", "scaling.png", "communication.png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,266 @@
+"""All tfmulti benchmarks in one run: results.json, results.md and plots.
+
+    python -m tfmulti.bench --quick --out docs/bench
+
+Measures, on this machine and in this run: step overhead on 1, 2 and 4
+simulated CPU replicas for an MLP and a CNN (bare `tf.range` loop, Trainer,
+Keras default `fit`, and any other variant `step_overhead` reports), replica
+overhead (examples/s at N over 1), the input pipeline vs in-memory batches,
+the gradient all-reduce between 2 local worker processes (time, bytes,
+collectives; packing and wire dtype) and the peak memory of gradient
+accumulation vs a real large batch. Each device layout and each worker runs
+in its own process, bounded by a timeout and killed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent import futures as concurrent_futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+from tfmulti import cluster as cluster_lib
+from tfmulti.bench import parts, report
+
+# Per mode: the settings of every part. --quick stays under 5 minutes on 2
+# cores; --tiny is for the schema test (timings meaningless).
+MODES = {
+    "full": {
+        "replicas": (1, 2, 4),
+        "mlp": {"steps": 256, "repeats": 5},
+        "cnn": {"steps": 64, "repeats": 5},
+        "input_pipeline": {"replicas": 2, "steps": 20, "rounds": 16},
+        "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
+        "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
+    },
+    "quick": {
+        "replicas": (1, 2, 4),
+        "mlp": {"steps": 128, "repeats": 3},
+        "cnn": {"steps": 32, "repeats": 3},
+        "input_pipeline": {"replicas": 2, "steps": 10, "rounds": 4},
+        "communication": {"params": 10_000_000, "steps": 2, "repeats": 3},
+        "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 3},
+    },
+    "tiny": {
+        "replicas": (1, 2),
+        "mlp": {"steps": 32, "repeats": 1},
+        # 32 steps: the bare loop runs whole loops of 32.
+        "cnn": {"steps": 32, "repeats": 1, "batch": 8},
+        "input_pipeline": {"replicas": 1, "steps": 2, "rounds": 1,
+                           "global_batch_size": 16},
+        "communication": {"params": 100_000, "steps": 1, "repeats": 1},
+        "memory": {"batch": 16, "grad_accum_steps": 2, "steps": 1},
+        # Every process at once: the timings mean nothing here anyway.
+        "concurrent": True,
+    },
+}
+PART_NAMES = ("step_overhead", "input_pipeline", "communication",
+              "accumulation_memory")
+
+
+def _kill(proc):
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _run_part(name, kwargs, *, timeout, envs=({},)):
+    """Runs part `name` in one process per entry of `envs`, concurrently.
+
+    Returns the parsed result of each process, in order. Every process is
+    killed when the first fails, at `timeout`, or at the end.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "tfmulti.bench.parts", name,
+               json.dumps(kwargs)]
+    procs = []
+    try:
+        for extra in envs:
+            # This tfmulti, whichever is installed; quiet TensorFlow logs.
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+            env["PYTHONPATH"] = os.pathsep.join(
+                [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+            procs.append(subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        outputs = []
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(
+                    timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{name} {kwargs} ran past {timeout:.0f} s"
+                                   " (--timeout)") from None
+            if proc.returncode != 0:
+                raise RuntimeError(f"{name} {kwargs} exited "
+                                   f"{proc.returncode}:\n{out[-3000:]}")
+            outputs.append(parts.parse_result(out))
+        return outputs
+    finally:
+        for proc in procs:
+            _kill(proc)
+
+
+def _in_turn(calls, concurrent):
+    """{key: fn()} for `calls` {key: fn}, one after another or at once."""
+    if not concurrent:
+        return {key: fn() for key, fn in calls.items()}
+    with concurrent_futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = {key: pool.submit(fn) for key, fn in calls.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def _step_overhead(mode, timeout):
+    def layout(part, model, n):
+        return lambda: _run_part(part, dict(mode[model], replicas=n),
+                                 timeout=timeout)[0]
+
+    calls = {(model, str(n)): layout(part, model, n)
+             for n in mode["replicas"]
+             for model, part in (("mlp", "step_overhead"),
+                                 ("cnn", "cnn_overhead"))}
+    results = {"mlp": {}, "cnn": {}}
+    for (model, n), figures in _in_turn(
+            calls, mode.get("concurrent", False)).items():
+        results[model][n] = figures
+    return results
+
+
+def _communication(mode, timeout):
+    configs = cluster_lib.local_cluster(2)
+    workers = _run_part("communication", mode["communication"],
+                        timeout=timeout,
+                        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])
+    result = workers[0]
+    # Collectives pair up, so the workers' times differ by little; the
+    # chief's are reported, the other's kept for reference.
+    result["other_worker_seconds_per_step"] = {
+        k: v["seconds_per_step"] for k, v in workers[1]["configs"].items()}
+    return result
+
+
+def _accumulation_memory(mode, timeout):
+    m = mode["memory"]
+    k, b = m["grad_accum_steps"], m["batch"]
+    runs = {"batch": {"batch": b}, "large_batch": {"batch": k * b},
+            "accumulated": {"batch": b, "grad_accum_steps": k}}
+    # Memory does not depend on speed: the three run at once.
+    result = _in_turn({name: (lambda kw=kw: _run_part(
+        "accumulation_memory", dict(kw, steps=m["steps"]),
+        timeout=timeout)[0]) for name, kw in runs.items()}, True)
+
+    def ratio(name, key):
+        return result[name][key] / result["batch"][key]
+
+    result.update(
+        accum_vs_batch=ratio("accumulated", "peak_rss_bytes"),
+        large_vs_batch=ratio("large_batch", "peak_rss_bytes"),
+        accum_vs_batch_training=ratio("accumulated", "training_bytes"),
+        large_vs_batch_training=ratio("large_batch", "training_bytes"))
+    return result
+
+
+def _input_pipeline(mode, timeout):
+    kwargs = dict(mode["input_pipeline"])
+    if mode.get("data_dir"):
+        kwargs["data_dir"] = mode["data_dir"]
+    return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
+
+
+RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
+           "communication": _communication,
+           "accumulation_memory": _accumulation_memory}
+
+
+def run(*, out: str, mode: str = "quick", only=PART_NAMES,
+        timeout: float = 300.0, data_dir: str | None = None) -> dict:
+    """Runs the benchmark parts, writes the report to `out`; returns it.
+
+    Args:
+      out: directory for results.json, results.md and the PNG plots.
+      mode: "full", "quick" or "tiny" (see `MODES`).
+      only: the parts to run (`PART_NAMES`).
+      timeout: seconds each part may take before its processes are killed.
+      data_dir: TFDS data dir holding (or to hold) `tfmulti_shapes` for the
+        input-pipeline part; None prepares it in a temporary directory.
+
+    A part that fails or times out is recorded under "errors" and the
+    others still run.
+    """
+    if mode not in MODES:
+        raise ValueError(f"`mode` is {mode!r}; use one of {list(MODES)}.")
+    unknown = set(only) - set(PART_NAMES)
+    if unknown:
+        raise ValueError(f"`only` has unknown parts {sorted(unknown)}; "
+                         f"choose from {list(PART_NAMES)}.")
+    began = time.monotonic()
+    settings = dict(MODES[mode], data_dir=data_dir)
+    results = {"schema_version": report.SCHEMA_VERSION,
+               "machine": report.machine(),
+               "settings": dict(settings, mode=mode,
+                                replicas=list(settings["replicas"])),
+               "step_overhead": {}, "input_pipeline": None,
+               "communication": None, "accumulation_memory": None,
+               "errors": {}}
+
+    def one(name):
+        part_began = time.monotonic()
+        print(f"tfmulti.bench: {name} ...", flush=True)
+        try:
+            results[name] = RUNNERS[name](settings, timeout)
+        except Exception:  # one broken part must not lose the others
+            results["errors"][name] = traceback.format_exc()
+            print(f"tfmulti.bench: {name} FAILED:\n"
+                  f"{results['errors'][name][-2000:]}", flush=True)
+        print(f"tfmulti.bench: {name} took "
+              f"{time.monotonic() - part_began:.0f} s", flush=True)
+
+    _in_turn({name: (lambda name=name: one(name))
+              for name in PART_NAMES if name in only},
+             settings.get("concurrent", False))
+    results["seconds"] = time.monotonic() - began
+    written = report.write(results, out)
+    print(f"tfmulti.bench: wrote {written['json']}, {written['markdown']}"
+          + "".join(f", {p}" for p in written["plots"]), flush=True)
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tfmulti.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results",
+                        help="directory for results.json, results.md, PNGs")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="fewer steps and repeats (< 5 min on 2 cores)")
+    size.add_argument("--tiny", action="store_true",
+                      help="smallest configuration, for tests only")
+    parser.add_argument("--only", nargs="+", choices=PART_NAMES,
+                        default=list(PART_NAMES), help="parts to run")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds each part may take")
+    parser.add_argument("--data_dir", default=None,
+                        help="TFDS data dir for tfmulti_shapes (default: "
+                        "prepared in a temporary directory)")
+    args = parser.parse_args(argv)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    results = run(out=args.out, mode=mode, only=args.only,
+                  timeout=args.timeout, data_dir=args.data_dir)
+    for goal in results["goals"]:
+        print(f"  {goal['name']}: {report._fmt(goal['value'])} (goal "
+              f"{goal['goal']}) {'met' if goal['met'] else 'MISSED'}")
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

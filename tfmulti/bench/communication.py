@@ -1,0 +1,226 @@
+"""Gradient all-reduce between worker processes: time, bytes, collectives.
+
+Every worker of a MultiWorkerMirroredStrategy cluster all-reduces gradients
+shaped like a model's (about 10M parameters by default) with tfmulti's own
+reduction (`training.gradients.all_reduce_sum`, the Trainer's), once per
+configuration: per-tensor collectives (what a loop reducing gradient by
+gradient does), TensorFlow's default packing (all gradients concatenated into
+one collective), `pack_bytes` chunks, and float32 vs bfloat16/float16 on the
+wire. Per configuration: seconds per all-reduce (median over repeats), bytes
+per step (payload, and what a ring moves per worker) and the collectives in
+the traced graph with their wire dtype.
+
+    python -m tfmulti.bench   # runs it on 2 local worker processes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import tensorflow as tf
+
+from tfmulti import strategies
+from tfmulti.training import gradients as gradients_lib
+
+COLLECTIVE_OP = "CollectiveReduceV2"
+
+
+def count_ops(graph_def, op_type: str = COLLECTIVE_OP, *,
+              within: str = "") -> int:
+    """Counts the ops of type `op_type` in a traced graph.
+
+    Args:
+      graph_def: a `tf.compat.v1.GraphDef` (`concrete_fn.graph.as_graph_def()`).
+      op_type: the op to count, e.g. "CollectiveReduceV2".
+      within: count only inside library functions whose name contains this
+        (e.g. "while_body": once per loop iteration); "" counts the top-level
+        graph and every library function.
+    """
+    functions = [f.node_def for f in graph_def.library.function
+                 if within in f.signature.name]
+    if not within:
+        functions.append(graph_def.node)
+    return sum(1 for nodes in functions for node in nodes
+               if node.op == op_type)
+
+
+def op_dtypes(graph_def, op_type: str = COLLECTIVE_OP) -> list[str]:
+    """The distinct `T` (data type) attributes of `op_type` ops in a graph."""
+    nodes = [n for f in graph_def.library.function for n in f.node_def]
+    nodes += list(graph_def.node)
+    return sorted({tf.dtypes.as_dtype(n.attr["T"].type).name
+                   for n in nodes if n.op == op_type})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceConfig:
+    """One way to all-reduce the gradients.
+
+    Attributes:
+      name: label in the results.
+      pack_bytes: None: TensorFlow's default (one pack: every gradient
+        concatenated into a single collective); N: packs of about N bytes.
+      dtype: None (float32) or "bfloat16"/"float16" on the wire.
+      per_tensor: one collective per gradient tensor (no batching at all).
+    """
+
+    name: str
+    pack_bytes: int | None = None
+    dtype: str | None = None
+    per_tensor: bool = False
+
+    def __post_init__(self):
+        if self.pack_bytes is not None and self.pack_bytes <= 0:
+            raise ValueError(f"`pack_bytes` should be None or positive, got "
+                             f"{self.pack_bytes!r}.")
+        if self.dtype is not None and (
+                self.dtype not in gradients_lib.ALLREDUCE_DTYPES):
+            raise ValueError(
+                f"`dtype` is {self.dtype!r}; use None or one of "
+                f"{list(gradients_lib.ALLREDUCE_DTYPES)}.")
+
+
+DEFAULT_CONFIGS = (
+    ReduceConfig("per_tensor_float32", per_tensor=True),
+    ReduceConfig("one_pack_float32"),
+    ReduceConfig("pack_4MiB_float32", pack_bytes=4 << 20),
+    ReduceConfig("one_pack_bfloat16", dtype="bfloat16"),
+    ReduceConfig("one_pack_float16", dtype="float16"),
+)
+
+
+def gradient_shapes(params: int) -> list[tuple[int, ...]]:
+    """Variable shapes of an MLP with about `params` parameters.
+
+    Four dense layers of equal width `w` on `w` inputs (4w^2 + 4w
+    parameters), so the gradient list mixes large kernels and small biases
+    as a real model's does.
+    """
+    width = max(int((params / 4) ** 0.5), 1)
+    shapes = []
+    for _ in range(4):
+        shapes += [(width, width), (width,)]
+    return shapes
+
+
+def _options(strategy, pack_bytes):
+    # The strategy's own options (timeout, implementation) with this
+    # configuration's pack size: one strategy per process, several packings.
+    base = strategies.communication_options(strategy)
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=pack_bytes or 0, timeout_seconds=base.timeout_seconds,
+        implementation=base.implementation)
+
+
+def _reduce_fn(strategy, shapes, config):
+    options = _options(strategy, config.pack_bytes)
+
+    def replica_fn(step):
+        # Different values per replica and step; generated on the fly so no
+        # 40 MB constant is baked into the graph.
+        replica = tf.cast(
+            tf.distribute.get_replica_context().replica_id_in_sync_group,
+            tf.float32)
+        grads = [tf.fill(shape, replica + tf.cast(step, tf.float32))
+                 for shape in shapes]
+        if config.per_tensor:
+            reduced = [gradients_lib.all_reduce_sum(
+                [g], options=options, dtype=config.dtype)[0] for g in grads]
+        else:
+            reduced = gradients_lib.all_reduce_sum(
+                grads, options=options, dtype=config.dtype)
+        return tf.add_n([r[0] if r.shape.rank == 1 else r[0, 0]
+                         for r in reduced])
+
+    return _loop(strategy, replica_fn)
+
+
+def _fill_only_fn(strategy, shapes):
+    def replica_fn(step):
+        grads = [tf.fill(shape, tf.cast(step, tf.float32)) for shape in shapes]
+        return tf.add_n([tf.reduce_sum(g[:1]) for g in grads])
+
+    return _loop(strategy, replica_fn)
+
+
+def _loop(strategy, replica_fn):
+    """`loop(num_steps)`: `replica_fn(step)` on every replica, num_steps
+    times in one `tf.function`; the sum of its values keeps it live."""
+
+    @tf.function
+    def loop(num_steps):
+        total = tf.constant(0.0)
+        for step in tf.range(num_steps):
+            total += strategy.experimental_local_results(
+                strategy.run(replica_fn, args=(step,)))[0]
+        return total
+
+    return loop
+
+
+def _time(loop, steps, repeats):
+    loop(tf.constant(1))  # trace and warm up
+    per_step = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        loop(tf.constant(steps)).numpy()
+        per_step.append((time.perf_counter() - began) / steps)
+    return statistics.median(per_step), per_step
+
+
+def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
+            repeats: int = 5, configs=DEFAULT_CONFIGS) -> dict:
+    """Times each all-reduce configuration on this worker.
+
+    Every worker of the cluster must call it with the same arguments (the
+    collectives pair up in order).
+
+    Args:
+      strategy: a multi-worker strategy (from `create_strategy`).
+      params: parameters of the model whose gradients are reduced.
+      steps: all-reduces per timed call.
+      repeats: timed calls per configuration; the median is reported.
+      configs: `ReduceConfig`s to measure.
+
+    Returns:
+      {"params", "workers", "gradient_tensors", "fill_only_s": seconds per
+      step to make the gradients without reducing them, "configs": {name:
+      {"seconds_per_step", "rounds", "collectives_per_step", "wire_dtypes",
+      "payload_bytes", "ring_bytes_per_worker", "pack_bytes", "dtype",
+      "per_tensor"}}}.
+    """
+    shapes = gradient_shapes(params)
+    num_params = sum(int(tf.TensorShape(s).num_elements()) for s in shapes)
+    workers = strategy.num_replicas_in_sync
+    fill_only, _ = _time(_fill_only_fn(strategy, shapes), steps, repeats)
+    results = {}
+    for config in configs:
+        loop = _reduce_fn(strategy, shapes, config)
+        seconds, rounds = _time(loop, steps, repeats)
+        graph = loop.get_concrete_function(tf.constant(1)).graph.as_graph_def()
+        itemsize = tf.dtypes.as_dtype(config.dtype or "float32").size
+        payload = num_params * itemsize
+        results[config.name] = {
+            "seconds_per_step": seconds, "rounds": rounds,
+            "collectives_per_step": count_ops(graph, within="while_body"),
+            "wire_dtypes": op_dtypes(graph),
+            "payload_bytes": payload,
+            # A ring all-reduce sends (and receives) 2 (W - 1) / W of the
+            # payload per worker: reduce-scatter, then all-gather.
+            "ring_bytes_per_worker": int(2 * (workers - 1) / workers *
+                                         payload),
+            "pack_bytes": config.pack_bytes, "dtype": config.dtype or "float32",
+            "per_tensor": config.per_tensor}
+    return {"params": num_params, "workers": workers,
+            "gradient_tensors": len(shapes), "fill_only_s": fill_only,
+            "steps": steps, "repeats": repeats, "configs": results}
+
+
+def worker_main(*, params: int, steps: int, repeats: int,
+                timeout_seconds: float = 120.0) -> dict:
+    """One worker process: creates the strategy from TF_CONFIG, measures."""
+    strategy = strategies.create_strategy(
+        "multi_worker", timeout_seconds=timeout_seconds)
+    return measure(strategy, params=params, steps=steps, repeats=repeats)

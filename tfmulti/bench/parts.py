@@ -1,0 +1,79 @@
+"""One benchmark part in a fresh process, its figures as a JSON line.
+
+TensorFlow fixes its devices (and a worker's collectives) once per process,
+so `python -m tfmulti.bench` runs every device layout here:
+
+    python -m tfmulti.bench.parts NAME '{"keyword": "arguments"}'
+
+prints `RESULT_PREFIX` followed by the part's result as JSON on one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+RESULT_PREFIX = "TFMULTI_BENCH_RESULT "
+
+
+def _step_overhead(**kwargs):
+    from tfmulti.bench import step_overhead
+    return step_overhead.run(**kwargs)
+
+
+def _cnn_overhead(**kwargs):
+    from tfmulti.bench import cnn_overhead
+    return cnn_overhead.run(**kwargs)
+
+
+def _input_pipeline(*, replicas, **kwargs):
+    import tfmulti
+    devices = tfmulti.simulate_devices(replicas)
+    from tfmulti.bench import input_pipeline
+    strategy = tfmulti.create_strategy("mirrored", devices=devices)
+    return input_pipeline.measure(strategy, **kwargs)
+
+
+def _communication(**kwargs):
+    from tfmulti.bench import communication
+    return communication.worker_main(**kwargs)
+
+
+def _accumulation_memory(**kwargs):
+    from tfmulti.bench import accumulation_memory
+    return accumulation_memory.measure(**kwargs)
+
+
+PARTS = {
+    "step_overhead": _step_overhead,
+    "cnn_overhead": _cnn_overhead,
+    "input_pipeline": _input_pipeline,
+    "communication": _communication,
+    "accumulation_memory": _accumulation_memory,
+}
+
+
+def parse_result(output: str) -> dict:
+    """The result a part printed, from its whole output."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise ValueError("the part printed no result line; its output ends:\n"
+                     + output[-3000:])
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (1, 2) or argv[0] not in PARTS:
+        raise SystemExit(f"usage: python -m tfmulti.bench.parts "
+                         f"{{{','.join(PARTS)}}} ['<JSON kwargs>'], got "
+                         f"{argv!r}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    kwargs = json.loads(argv[1]) if len(argv) == 2 else {}
+    result = PARTS[argv[0]](**kwargs)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The benchmark report: results.json, results.md and PNG plots.
+
+`results.json` schema (`SCHEMA_VERSION`): {"schema_version", "machine",
+"settings", "step_overhead": {model: {replicas (str): {method: steps/s,
+..., "trainer_32_vs_bare", "trainer_32_vs_keras_fit", ...}}},
+"replica_overhead": {model: {method: {replicas (str): ratio}}},
+"input_pipeline", "communication", "accumulation_memory", "goals": [{"name",
+"value", "goal", "met"}], "errors": {part: message}, "seconds"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+SCHEMA_VERSION = 1
+TOP_LEVEL_KEYS = ("schema_version", "machine", "settings", "step_overhead",
+                  "replica_overhead", "input_pipeline", "communication",
+                  "accumulation_memory", "goals", "errors", "seconds")
+# Step-overhead keys that are settings or ratios, not methods' steps/s.
+_NOT_METHODS = {"replicas", "batch", "width", "steps", "repeats", "model",
+                "rounds"}
+LABELS = {"bare_loop_32": "bare tf.range loop (ceiling)",
+          "trainer_32": "tfmulti Trainer, steps_per_loop 32",
+          "trainer_1": "tfmulti Trainer, steps_per_loop 1",
+          "keras_fit": "Keras 3 default model.fit"}
+
+
+def methods(figures: dict) -> list[str]:
+    """The methods in one step-overhead result, known ones first.
+
+    Any other steps/s entry (e.g. a tfmulti-enabled `model.fit` variant the
+    step-overhead benchmark adds) is a method too.
+    """
+    extra = sorted(k for k, v in figures.items()
+                   if k not in _NOT_METHODS and k not in LABELS and
+                   "_vs_" not in k and isinstance(v, (int, float)))
+    return [k for k in LABELS if k in figures] + extra
+
+
+def machine() -> dict:
+    """Where the run happened."""
+    import keras
+    import tensorflow as tf
+    return {"cpus": os.cpu_count(), "gpus": len(
+        tf.config.list_physical_devices("GPU")),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "tensorflow": tf.__version__, "keras": keras.__version__,
+        "load_average_at_start": os.getloadavg()}
+
+
+def replica_overhead(step_overhead: dict) -> dict:
+    """examples/s at N replicas over examples/s at 1 replica, per method.
+
+    The global batch is the same at every N, so the ratio of steps/s is the
+    ratio of examples/s; 1.0 means the replicas cost nothing.
+    """
+    out = {}
+    for model, by_n in step_overhead.items():
+        if "1" not in by_n:
+            continue
+        base = by_n["1"]
+        out[model] = {m: {n: figs[m] / base[m] for n, figs in by_n.items()
+                          if m in figs}
+                      for m in methods(base)}
+    return out
+
+
+def goals(results: dict) -> list[dict]:
+    """The issue's goals, each with the measured value and whether met."""
+    found = []
+
+    def add(name, value, goal, met):
+        found.append({"name": name, "value": value, "goal": goal,
+                      "met": bool(met)})
+
+    for model, by_n in results.get("step_overhead", {}).items():
+        top = by_n.get(str(max(int(n) for n in by_n))) if by_n else None
+        if top:
+            n = top["replicas"]
+            add(f"{model}: Trainer/bare loop at N={n}",
+                top["trainer_32_vs_bare"], ">= 0.95",
+                top["trainer_32_vs_bare"] >= 0.95)
+            add(f"{model}: Trainer/Keras fit at N={n}",
+                top["trainer_32_vs_keras_fit"], ">= 5",
+                top["trainer_32_vs_keras_fit"] >= 5)
+    pipe = results.get("input_pipeline")
+    if pipe:
+        add("input pipeline / in-memory (paired)", pipe["ratio_paired"],
+            ">= 0.95", pipe["ratio_paired"] >= 0.95)
+    comm = results.get("communication", {}).get("configs")
+    if comm:
+        f32, b16 = comm["one_pack_float32"], comm["one_pack_bfloat16"]
+        ratio = b16["payload_bytes"] / f32["payload_bytes"]
+        add("bfloat16 bytes / float32 bytes", ratio, "0.5",
+            abs(ratio - 0.5) < 1e-9 and b16["wire_dtypes"] == ["bfloat16"])
+        per, one = comm["per_tensor_float32"], f32
+        add("collectives: per-tensor -> packed",
+            f"{per['collectives_per_step']} -> "
+            f"{one['collectives_per_step']}", "fewer",
+            one["collectives_per_step"] < per["collectives_per_step"])
+    mem = results.get("accumulation_memory")
+    if mem:
+        add("peak memory: accumulate K x B / batch B", mem["accum_vs_batch"],
+            "<= 1.2", mem["accum_vs_batch"] <= 1.2)
+    return found
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown(results: dict) -> str:
+    """results.md: the machine, the goals and every table."""
+    m = results["machine"]
+    lines = ["# tfmulti benchmarks", "",
+             f"Machine: {m['cpus']} CPU cores, {m['gpus']} GPU, "
+             f"TensorFlow {m['tensorflow']}, Keras {m['keras']}, Python "
+             f"{m['python']}, {m['platform']}; load average at start "
+             f"{', '.join(f'{x:.1f}' for x in m['load_average_at_start'])}. "
+             f"Settings: {results['settings']['mode']}; total "
+             f"{results['seconds']:.0f} s.", "", "## Goals", "",
+             "| goal | measured | target | met |", "| --- | --- | --- | --- |"]
+    for g in results["goals"]:
+        lines.append(f"| {g['name']} | {_fmt(g['value'])} | {g['goal']} | "
+                     f"{'yes' if g['met'] else 'NO'} |")
+    for model, by_n in results["step_overhead"].items():
+        ns = sorted(by_n, key=int)
+        lines += ["", f"## Step overhead: {model} (steps/s, median)", "",
+                  "| method | " + " | ".join(f"N={n}" for n in ns) + " |",
+                  "| --- |" + " --- |" * len(ns)]
+        for method in methods(by_n[ns[0]]):
+            lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(
+                _fmt(by_n[n].get(method, float("nan"))) for n in ns) + " |")
+        for ratio in ("trainer_32_vs_bare", "trainer_32_vs_keras_fit"):
+            lines.append(f"| ratio {ratio} | " + " | ".join(
+                _fmt(by_n[n][ratio]) for n in ns) + " |")
+    for model, by_method in results["replica_overhead"].items():
+        lines += ["", f"## Replica overhead: {model} (examples/s at N / at "
+                  "1, same global batch, same cores; ideal 1.0)", "",
+                  "| method | " + " | ".join(
+                      f"N={n}" for n in sorted(next(iter(
+                          by_method.values())), key=int)) + " |"]
+        lines.append("| --- |" + " --- |" * len(next(iter(
+            by_method.values()))))
+        for method, by_n in by_method.items():
+            lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(
+                _fmt(by_n[n]) for n in sorted(by_n, key=int)) + " |")
+    pipe = results.get("input_pipeline")
+    if pipe:
+        lines += ["", f"## Input pipeline ({pipe['replicas']} replicas, "
+                  f"batch {pipe['global_batch_size']})", "",
+                  "| feed | steps/s (best round) | steps per CPU s |",
+                  "| --- | --- | --- |"]
+        for feed, rate in pipe["steps_per_s"].items():
+            lines.append(f"| {feed} | {_fmt(rate)} | "
+                         f"{_fmt(pipe['steps_per_cpu_s'][feed])} |")
+        lines.append(f"\nPipeline / memory: {_fmt(pipe['ratio_paired'])} "
+                     f"(median of per-round ratios), {_fmt(pipe['ratio'])} "
+                     f"(best rounds), {_fmt(pipe['ratio_cpu'])} (per CPU s).")
+    comm = results.get("communication")
+    if comm:
+        lines += ["", f"## Communication ({comm['workers']} worker processes"
+                  f" on loopback, {comm['params']:,} parameters in "
+                  f"{comm['gradient_tensors']} tensors)", "",
+                  "| configuration | ms per all-reduce | collectives per step "
+                  "| wire dtype | payload MB | ring MB per worker |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, c in comm["configs"].items():
+            lines.append(
+                f"| {name} | {c['seconds_per_step'] * 1e3:.1f} | "
+                f"{c['collectives_per_step']} | {','.join(c['wire_dtypes'])}"
+                f" | {c['payload_bytes'] / 1e6:.1f} | "
+                f"{c['ring_bytes_per_worker'] / 1e6:.1f} |")
+        lines.append(f"\nMaking the gradients without reducing them: "
+                     f"{comm['fill_only_s'] * 1e3:.1f} ms per step.")
+    mem = results.get("accumulation_memory")
+    if mem:
+        lines += ["", "## Gradient accumulation memory (one device, "
+                  "small_cnn 32x32x3)", "",
+                  "| run | examples per update | peak RSS MB | added by "
+                  "training MB |", "| --- | --- | --- | --- |"]
+        for name in ("batch", "large_batch", "accumulated"):
+            r = mem[name]
+            lines.append(f"| {name} (batch {r['batch']}, K="
+                         f"{r['grad_accum_steps']}) | "
+                         f"{r['examples_per_update']} | "
+                         f"{r['peak_rss_bytes'] / 1e6:.0f} | "
+                         f"{r['training_bytes'] / 1e6:.0f} |")
+        lines.append(f"\nPeak accumulated / batch B: "
+                     f"{_fmt(mem['accum_vs_batch'])}; large batch / batch B:"
+                     f" {_fmt(mem['large_vs_batch'])}; added by training, "
+                     f"accumulated / batch B: "
+                     f"{_fmt(mem['accum_vs_batch_training'])}.")
+    if results["errors"]:
+        lines += ["", "## Errors", ""]
+        lines += [f"- {part}: {msg.splitlines()[-1] if msg else ''}"
+                  for part, msg in results["errors"].items()]
+    plots = results.get("plots", [])
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out_dir: str) -> list[str]:
+    """Writes the PNG plots; returns their file names ([] w/o matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    written = []
+    step = results["step_overhead"]
+    if step:
+        fig, axes = plt.subplots(1, len(step), figsize=(6 * len(step), 4),
+                                 squeeze=False)
+        for ax, (model, by_n) in zip(axes[0], step.items()):
+            ns = sorted(by_n, key=int)
+            names = methods(by_n[ns[0]])
+            width = 0.8 / len(names)
+            for i, method in enumerate(names):
+                ax.bar([k + i * width for k in range(len(ns))],
+                       [by_n[n].get(method, 0) for n in ns], width,
+                       label=LABELS.get(method, method))
+            ax.set_xticks([k + 0.4 - width / 2 for k in range(len(ns))],
+                          [f"N={n}" for n in ns])
+            ax.set_ylabel("steps/s")
+            ax.set_title(f"{model}: steps/s per method and replicas")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "steps_per_s.png"), dpi=80)
+        plt.close(fig)
+        written.append("steps_per_s.png")
+    scaling = results["replica_overhead"]
+    if scaling:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for model, by_method in scaling.items():
+            for method, by_n in by_method.items():
+                ns = sorted(by_n, key=int)
+                ax.plot([int(n) for n in ns], [by_n[n] for n in ns],
+                        marker="o", label=f"{model}: "
+                        f"{LABELS.get(method, method)}")
+        ax.axhline(1.0, color="grey", linestyle=":")
+        ax.set_xlabel("simulated replicas N (same cores, same global batch)")
+        ax.set_ylabel("examples/s at N / at 1")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "scaling.png"), dpi=80)
+        plt.close(fig)
+        written.append("scaling.png")
+    comm = results.get("communication")
+    if comm:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = list(comm["configs"])
+        ax.bar(names, [comm["configs"][n]["seconds_per_step"] * 1e3
+                       for n in names])
+        ax.set_ylabel("ms per all-reduce")
+        ax.set_title(f"{comm['workers']} workers, {comm['params']:,} params")
+        ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "communication.png"), dpi=80)
+        plt.close(fig)
+        written.append("communication.png")
+    return written
+
+
+def write(results: dict, out_dir: str) -> dict:
+    """Completes `results` (derived figures, goals, plots) and writes all.
+
+    Returns:
+      {"json": path, "markdown": path, "plots": [paths]}.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    results["replica_overhead"] = replica_overhead(results["step_overhead"])
+    results["goals"] = goals(results)
+    results["plots"] = plots(results, out_dir)
+    json_path = os.path.join(out_dir, "results.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    md_path = os.path.join(out_dir, "results.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(results))
+    return {"json": json_path, "markdown": md_path,
+            "plots": [os.path.join(out_dir, p) for p in results["plots"]]}
