@@ -172,3 +172,19 @@ def test_kubernetes_errors():
         cl.cluster_config(environ={"TFMULTI_NUM_WORKERS": "2",
                                    "TFMULTI_WORKER_HOST": "t-{index}.t",
                                    "HOSTNAME": "t-5"})
+
+
+def test_of_strategy_reads_the_resolver_and_applies_the_chief_rule():
+    import tensorflow as tf
+
+    def strategy_with(spec, task_type, task_id):
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), task_type=task_type, task_id=task_id)
+        return type("Strategy", (), {"cluster_resolver": resolver})()
+
+    spec = {"chief": ["c:1"], "worker": ["w:1", "w:2"]}
+    assert cl.of_strategy(strategy_with(spec, "chief", 0)).is_chief
+    worker0 = cl.of_strategy(strategy_with(spec, "worker", 0))
+    assert not worker0.is_chief and worker0.num_workers == 3
+    assert cl.of_strategy(strategy_with({}, None, None)) == cl.ClusterConfig()
+    assert cl.of_strategy(object()).is_chief  # OneDevice: no resolver

@@ -220,6 +220,20 @@ def cluster_config(tf_config: str | Mapping[str, Any] | None = None, *,
                          task_index=task.get("index", 0))
 
 
+def of_strategy(strategy) -> ClusterConfig:
+    """The cluster `strategy` was built for (a single process if none).
+
+    Read from the strategy's own cluster resolver, so it holds for a strategy
+    made with an explicit `cluster` as much as for one made from TF_CONFIG.
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not spec:
+        return ClusterConfig()
+    return ClusterConfig(cluster=spec, task_type=resolver.task_type,
+                         task_index=int(resolver.task_id or 0))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -16,6 +16,8 @@ import functools
 
 import tensorflow as tf
 
+from tfmulti import cluster as cluster_lib
+
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                 tf.errors.AbortedError, tf.errors.CancelledError)
 
@@ -34,17 +36,6 @@ class PeerFailureError(RuntimeError):
         self.num_workers = num_workers
 
 
-def task_and_workers(strategy) -> tuple[str, int]:
-    """("worker 1"-style name of this task, number of workers) of `strategy`;
-    ("worker 0", 1) outside a cluster."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    count = sum(len(v) if not isinstance(v, dict) else len(v.values())
-                for k, v in spec.items() if k in ("chief", "worker"))
-    task = f"{resolver.task_type} {resolver.task_id}" if spec else "worker 0"
-    return task, max(count, 1)
-
-
 @contextlib.contextmanager
 def translated(strategy):
     """Re-raises a lost-peer TensorFlow error as `PeerFailureError`.
@@ -52,13 +43,13 @@ def translated(strategy):
     Only under a strategy spanning several workers; otherwise errors pass
     through unchanged.
     """
-    task, num_workers = task_and_workers(strategy)
+    cluster = cluster_lib.of_strategy(strategy)
+    num_workers = cluster.num_workers
     try:
         yield
     except _PEER_ERRORS as e:
         if num_workers < 2:
             raise
-        index = int(task.split()[-1])
         if isinstance(e, tf.errors.DeadlineExceededError):
             timeout = getattr(getattr(
                 strategy, "_tfmulti_communication_options", None),
@@ -71,14 +62,14 @@ def translated(strategy):
             cause = ("another worker died, was preempted or became "
                      "unreachable")
         raise PeerFailureError(
-            f"{task} (of {num_workers} workers): a collective operation "
+            f"{cluster.task_type} {cluster.task_index} (of {num_workers} workers): a collective operation "
             f"failed with {type(e).__name__}, most likely because {cause}. "
             "A MultiWorkerMirrored "
             "job cannot continue without it: restart all workers (tfmulti-"
             "launch --max_restarts does) and training resumes from the last "
             "checkpoint in model_dir. Check the other workers' logs for the "
             f"first failure. TensorFlow said: {str(e).strip()[:500]}",
-            worker=index, num_workers=num_workers) from e
+            worker=cluster.worker_rank, num_workers=num_workers) from e
 
 
 def translating(method):

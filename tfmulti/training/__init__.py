@@ -1,7 +1,7 @@
 """The training layer: replica step, inner loop, Trainer, checkpoints,
 summaries."""
 
-from tfmulti.training.checkpoints import Checkpointer, is_chief
+from tfmulti.training.checkpoints import Checkpointer
 from tfmulti.training.gradients import (all_reduce_sum, clip_by_global_norm,
                                         disable_optimizer_reduction)
 from tfmulti.training.loop import create_train_loop
@@ -23,5 +23,4 @@ __all__ = [
     "clip_by_global_norm",
     "create_train_loop",
     "disable_optimizer_reduction",
-    "is_chief",
 ]

@@ -15,28 +15,10 @@ import tempfile
 
 import tensorflow as tf
 
+from tfmulti import cluster as cluster_lib
 from tfmulti.training import numerics
 
 _MAX_TO_KEEP = 3
-
-
-def task(strategy) -> tuple[str | None, int]:
-    """(task type, task id) of this process; (None, 0) outside a cluster."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.cluster_spec().as_dict():
-        return None, 0
-    return resolver.task_type, int(resolver.task_id or 0)
-
-
-def is_chief(strategy) -> bool:
-    """Whether this process is the chief: the `chief` task, else worker 0."""
-    task_type, task_id = task(strategy)
-    if task_type is None:
-        return True
-    resolver = strategy.cluster_resolver
-    if "chief" in resolver.cluster_spec().as_dict():
-        return task_type == "chief"
-    return task_type == "worker" and task_id == 0
 
 
 class Checkpointer:
@@ -50,7 +32,7 @@ class Checkpointer:
 
     def __init__(self, model_dir: str, strategy, **trackables):
         self._model_dir = model_dir
-        self._chief = is_chief(strategy)
+        self._chief = cluster_lib.of_strategy(strategy).is_chief
         if self._chief:
             check_writable(model_dir)
         self._trackables = trackables

@@ -23,7 +23,8 @@ import threading
 
 import tensorflow as tf
 
-from tfmulti import exit_codes, peer_failure
+from tfmulti import cluster as cluster_lib
+from tfmulti import exit_codes
 
 
 class PreemptionWatcher:
@@ -62,7 +63,7 @@ class PreemptionWatcher:
         must call it at the same point of training.
         """
         local = tf.constant(1.0 if self.signalled else 0.0)
-        if peer_failure.task_and_workers(self._strategy)[1] < 2:
+        if cluster_lib.of_strategy(self._strategy).num_workers < 2:
             return self.signalled
         from tfmulti.training import loop  # noqa: PLC0415 (cycle)
         return bool(loop.sum_over_replicas(self._strategy, local).numpy() > 0)

@@ -6,7 +6,7 @@ import os
 
 import tensorflow as tf
 
-from tfmulti.training import checkpoints
+from tfmulti import cluster as cluster_lib
 
 
 class ScalarWriter:
@@ -20,7 +20,7 @@ class ScalarWriter:
 
     def __init__(self, model_dir: str | None, strategy, subdir: str):
         self._directory = os.path.join(model_dir, subdir) if (
-            model_dir and checkpoints.is_chief(strategy)) else None
+            model_dir and cluster_lib.of_strategy(strategy).is_chief) else None
         self._writer = None
 
     @property

@@ -13,6 +13,7 @@ import time
 import keras
 import tensorflow as tf
 
+from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
 from tfmulti import peer_failure, strategies
 from tfmulti.training import checkpoints as checkpoints_lib
@@ -484,5 +485,5 @@ class Trainer:
                 for m in (self._eval_loss, *self.metrics)}
 
     def _print(self, line):
-        if checkpoints_lib.is_chief(self.strategy):
+        if cluster_lib.of_strategy(self.strategy).is_chief:
             print(line, flush=True)
