@@ -60,6 +60,12 @@ def _check_model(model):
             "model.compile(optimizer=..., loss=..., steps_per_execution=...) "
             "under `strategy.scope()` first, then tfmulti.keras."
             "distributed(model).")
+    if model._distribute_strategy is None:
+        # TensorFlow's default strategy has no devices to loop over.
+        raise ValueError(
+            f"`model` {model.name!r} was built without a strategy. Create it "
+            "and compile it under `with strategy.scope():`, with strategy = "
+            "tfmulti.create_strategy(...) (\"one_device\" for one device).")
     own = type(model).train_step
     if own is not keras.Model.train_step:
         raise ValueError(
@@ -242,8 +248,8 @@ def distributed(model, *, grad_accum_steps: int = 1,
     is one update over K batches.
 
     Args:
-      model: a Keras 3 model built and compiled under a tfmulti strategy's
-        scope (or no strategy).
+      model: a Keras 3 model built and compiled under a strategy's scope
+        (`tfmulti.create_strategy`: one_device, mirrored or multi_worker).
       grad_accum_steps: K batches per optimizer update, one all-reduce.
       clip_global_norm: clip the REDUCED gradient to this global norm.
       allreduce_dtype: None, "float16" or "bfloat16": gradients on the wire.
@@ -252,7 +258,8 @@ def distributed(model, *, grad_accum_steps: int = 1,
       `model`.
 
     Raises:
-      ValueError: the model is not compiled, overrides `train_step`, its
+      ValueError: the model is not compiled, was built without a strategy,
+        overrides `train_step`, its
         optimizer uses `gradient_accumulation_steps`, or an option is bad.
     """
     _check_model(model)
