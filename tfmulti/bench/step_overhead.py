@@ -6,8 +6,9 @@
 One process, N simulated CPU replicas (MirroredStrategy), an MLP with two
 hidden layers of 64, global batch 64, Adam. Measures, in one run: a bare
 loop of 32 steps per `tf.function` over `strategy.run` (the floor), the
-Trainer with steps_per_loop=32 and =1, and Keras `fit` with its defaults.
-Prints steps/s and the ratios the Trainer is judged by.
+Trainer with steps_per_loop=32 and =1, Keras `fit` with its defaults, and
+Keras `fit` through `tfmulti.keras.distributed` with steps_per_execution=32.
+Prints steps/s and the ratios the Trainer and the tfmulti fit are judged by.
 """
 
 from __future__ import annotations
@@ -106,14 +107,21 @@ def _trainer(strategy, dataset, build, steps, steps_per_loop):
     return timed
 
 
-def _keras_fit(strategy, dataset, build, steps):
+def _keras_fit(strategy, dataset, build, steps, *, tfmulti_fit=False):
+    """Keras `fit` with its defaults, or through `tfmulti.keras.distributed`
+    with steps_per_execution=32."""
     import keras
+
+    import tfmulti
 
     model, optimizer = build()
     with strategy.scope():
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True))
+                          from_logits=True),
+                      steps_per_execution=LOOP if tfmulti_fit else 1)
+    if tfmulti_fit:
+        model = tfmulti.keras.distributed(model)
     model.fit(dataset, epochs=1, steps_per_epoch=LOOP, verbose=0)
 
     def timed():
@@ -133,8 +141,10 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     a burst of load on a shared machine hits both sides of a ratio alike.
 
     Returns:
-      {"bare_loop_32", "trainer_32", "trainer_1", "keras_fit"} in steps/s,
-      and the ratios "trainer_32_vs_bare" and "trainer_32_vs_keras_fit".
+      {"bare_loop_32", "trainer_32", "trainer_1", "keras_fit",
+      "tfmulti_fit_32"} in steps/s, and the ratios "trainer_32_vs_bare",
+      "trainer_32_vs_keras_fit", "tfmulti_fit_32_vs_trainer_32" and
+      "tfmulti_fit_32_vs_keras_fit".
     """
     import statistics
 
@@ -144,6 +154,8 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         "trainer_32": _trainer(strategy, dataset, build, steps, LOOP),
         "trainer_1": _trainer(strategy, dataset, build, steps, 1),
         "keras_fit": _keras_fit(strategy, dataset, build, steps),
+        "tfmulti_fit_32": _keras_fit(strategy, dataset, build, steps,
+                                     tfmulti_fit=True),
     }
     rounds = {name: [] for name in variants}
     for index in range(repeats):
@@ -154,9 +166,13 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     figures = {name: statistics.median(r) for name, r in rounds.items()}
     # Ratios of figures timed back to back in the same round, then the
     # median: load from other processes shifts both sides of a pair alike.
-    for name, other in (("bare", "bare_loop_32"), ("keras_fit", "keras_fit")):
-        figures[f"trainer_32_vs_{name}"] = statistics.median(
-            a / b for a, b in zip(rounds["trainer_32"], rounds[other]))
+    for name, other in (("trainer_32", "bare_loop_32"),
+                        ("trainer_32", "keras_fit"),
+                        ("tfmulti_fit_32", "trainer_32"),
+                        ("tfmulti_fit_32", "keras_fit")):
+        short = "bare" if other == "bare_loop_32" else other
+        figures[f"{name}_vs_{short}"] = statistics.median(
+            a / b for a, b in zip(rounds[name], rounds[other]))
     figures["rounds"] = rounds
     figures.update(replicas=replicas, batch=batch, width=width, steps=steps,
                    repeats=repeats)
@@ -179,12 +195,17 @@ def main(argv=None):
         return
     print(f"{args.replicas} simulated CPU replicas, MLP 2x64, global batch "
           f"64, Adam, median of {args.repeats} rounds of {args.steps} steps")
-    for key in ("bare_loop_32", "trainer_32", "trainer_1", "keras_fit"):
+    for key in ("bare_loop_32", "trainer_32", "trainer_1", "keras_fit",
+                "tfmulti_fit_32"):
         print(f"  {key:<14} {figures[key]:8.1f} steps/s")
     print(f"  Trainer(steps_per_loop=32) / bare loop: "
           f"{figures['trainer_32_vs_bare']:.2f}x (goal >= 0.95)")
     print(f"  Trainer(steps_per_loop=32) / Keras fit: "
           f"{figures['trainer_32_vs_keras_fit']:.2f}x (goal >= 5)")
+    print(f"  tfmulti fit(steps_per_execution=32) / Trainer(32): "
+          f"{figures['tfmulti_fit_32_vs_trainer_32']:.2f}x (goal >= 0.9)")
+    print(f"  tfmulti fit(steps_per_execution=32) / Keras fit: "
+          f"{figures['tfmulti_fit_32_vs_keras_fit']:.2f}x (goal >= 5)")
 
 
 if __name__ == "__main__":

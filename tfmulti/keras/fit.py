@@ -38,16 +38,9 @@ _STATE = "_tfmulti_fit"
 
 
 def _check_accumulation(optimizer):
-    inner = getattr(optimizer, "inner_optimizer", None)
-    for opt in (optimizer, inner) if inner is not None else (optimizer,):
-        steps = getattr(opt, "gradient_accumulation_steps", None)
-        if steps:
-            raise ValueError(
-                f"The optimizer has `gradient_accumulation_steps`={steps}, "
-                "which crashes under a tf.distribute strategy (Keras puts the "
-                "cross-replica reduction inside a cond). Create the optimizer "
-                "without it and call tfmulti.keras.distributed(model, "
-                f"grad_accum_steps={steps}) instead.")
+    gradients_lib.reject_keras_accumulation(
+        optimizer, instead="call tfmulti.keras.distributed(model, "
+        "grad_accum_steps={steps})")
 
 
 def _check_model(model):
@@ -225,6 +218,13 @@ def _fit(model, *args, **kwargs):
     else:
         bound.arguments["callbacks"] = [chunk, *(callbacks or [])]
     return type(model).fit(*bound.args, **bound.kwargs)
+
+
+def batches_per_step(model) -> int:
+    """Batches one step of `model.fit` reads: K for a model made by
+    `distributed(model, grad_accum_steps=K)`, else 1."""
+    state = getattr(model, _STATE, None)
+    return state.options.grad_accum_steps if state is not None else 1
 
 
 def distributed(model, *, grad_accum_steps: int = 1,

@@ -1,6 +1,5 @@
-"""tfmulti.keras.distributed: bad input gets a clear error; mixed precision.
-
-In-process, under a one_device strategy.
+"""tfmulti.keras.distributed in one process, under a one_device strategy:
+clear errors for bad input, mixed precision, resuming with accumulation.
 """
 
 import keras
@@ -9,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfmulti
+from tfmulti.keras.callbacks import BackupAndRestore
 
 
 STRATEGY = tfmulti.create_strategy("one_device")
@@ -105,3 +105,44 @@ def test_mixed_float16_fit_matches_plain_keras():
     np.testing.assert_allclose(losses, expected, atol=1e-3)
     for a, b in zip(model.get_weights(), golden.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-3)
+
+
+class _Killed(Exception):
+    pass
+
+
+class _KillAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise _Killed()
+
+
+def test_mid_epoch_resume_skips_accumulated_batches(tmp_path):
+    # 4 updates of 2 batches an epoch = the 8 batches of the data, so a
+    # restarted fit's fresh iterator is where epoch 1 began; resuming after
+    # 2 updates must skip 4 batches, not 2.
+    def model():
+        return tfmulti.keras.distributed(_model(steps_per_execution=2),
+                                         grad_accum_steps=2)
+
+    fit = {"epochs": 2, "steps_per_epoch": 4, "verbose": 0}
+    golden = model()
+    golden.fit(_data(), **fit)
+    with pytest.raises(_Killed):
+        model().fit(_data(), **fit, callbacks=[
+            BackupAndRestore(tmp_path, save_freq=2), _KillAt(1, 1)])
+    resumed = model()
+    backup = BackupAndRestore(tmp_path, save_freq=2)
+    assert resumed.fit(_data(), **fit, callbacks=[backup]).epoch == [1]
+    assert backup.restored == (1, 2)
+    assert int(resumed.optimizer.iterations) == int(
+        golden.optimizer.iterations) == 8
+    for a, b in zip(resumed.get_weights(), golden.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
