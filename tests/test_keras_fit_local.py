@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.test_keras_callbacks import _Killed, _KillAt
 import tfmulti
 from tfmulti.keras.callbacks import BackupAndRestore
 
@@ -105,23 +106,6 @@ def test_mixed_float16_fit_matches_plain_keras():
     np.testing.assert_allclose(losses, expected, atol=1e-3)
     for a, b in zip(model.get_weights(), golden.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-3)
-
-
-class _Killed(Exception):
-    pass
-
-
-class _KillAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise _Killed()
 
 
 def test_mid_epoch_resume_skips_accumulated_batches(tmp_path):
