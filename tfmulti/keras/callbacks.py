@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes
+from tfmulti.keras import fit as fit_lib
 from tfmulti.training import numerics
 from tfmulti.training import preemption
 
@@ -259,8 +260,12 @@ class _SkipBatches:
 
     def __init__(self, model, count):
         self.function = model.train_function
-        self.remaining = count
-        self._per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
+        # Counted in batches: a step of a tfmulti.keras.distributed model
+        # with gradient accumulation reads several.
+        per_step = fit_lib.batches_per_step(model)
+        self.remaining = count * per_step
+        self._per_call = max(1, int(getattr(model, "steps_per_execution",
+                                            1))) * per_step
 
     def __call__(self, iterator):
         for _ in range(min(self._per_call, self.remaining)):

@@ -30,6 +30,25 @@ def _already_reduced(grads_and_vars):
     return list(grads_and_vars)
 
 
+def reject_keras_accumulation(optimizer, *, instead: str) -> None:
+    """Raises if `optimizer` (or a LossScaleOptimizer's inner one) uses
+    Keras's `gradient_accumulation_steps`, which crashes under a strategy.
+
+    Args:
+      optimizer: a Keras 3 optimizer.
+      instead: the fix to show, with "{steps}" for the number of steps.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    for opt in (optimizer, inner) if inner is not None else (optimizer,):
+        steps = getattr(opt, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                f"The optimizer has `gradient_accumulation_steps`={steps}, "
+                "which crashes under a tf.distribute strategy (Keras puts the "
+                "cross-replica reduction inside a cond). Create the optimizer "
+                f"without it and {instead.format(steps=steps)} instead.")
+
+
 def disable_optimizer_reduction(optimizer) -> None:
     """Makes `optimizer` apply gradients as given, without summing replicas.
 
@@ -52,16 +71,11 @@ def disable_optimizer_reduction(optimizer) -> None:
             f"tfmulti's gradient reduction supports Keras "
             f"{_SUPPORTED_KERAS_MAJOR}.x; this is Keras {keras.__version__}. "
             "Install keras>=3.15,<4.")
+    reject_keras_accumulation(
+        optimizer, instead="pass `grad_accum_steps={steps}` to "
+        "tfmulti.Trainer")
     inner = getattr(optimizer, "inner_optimizer", None)
     for opt in (optimizer, inner) if inner is not None else (optimizer,):
-        steps = getattr(opt, "gradient_accumulation_steps", None)
-        if steps:
-            raise ValueError(
-                f"The optimizer has `gradient_accumulation_steps`={steps}, "
-                "which crashes under a tf.distribute strategy (Keras puts the "
-                "cross-replica reduction inside a cond). Create the optimizer "
-                "without it and pass `grad_accum_steps="
-                f"{steps}` to tfmulti.Trainer instead.")
         if not callable(getattr(type(opt), _REDUCE_METHOD, None)):
             raise RuntimeError(
                 f"{type(opt).__name__} has no `{_REDUCE_METHOD}`: this Keras "

@@ -1,0 +1,151 @@
+"""`model.fit` through tfmulti.keras.distributed, for the golden tests.
+
+Usage: keras_fit_distributed.py MODE OUT_JSON  ('{index}' in OUT_JSON becomes
+the worker index)
+MODE=local: 4 simulated CPU devices; every case runs with plain Keras on one
+device (the golden run) and through `distributed` on 4 mirrored replicas.
+MODE=multi_worker: TF_CONFIG from the environment, one replica per worker,
+the cases in MULTI_WORKER_CASES.
+Writes {layout: {case: {"loss": per-epoch losses, "weights": [...], ...}}}.
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tfmulti  # noqa: E402
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+if MODE == "multi_worker":
+    layouts = {"multi_worker": tfmulti.create_strategy("multi_worker")}
+else:
+    import tensorflow as tf
+
+    devices = tfmulti.simulate_devices(4)
+    layouts = {"one_device": tfmulti.create_strategy("one_device",
+                                                     devices=devices[:1])}
+    # Two strategies over different CPU sets in one process clash on
+    # collective keys (see tests/workers/trainer_golden.py).
+    tf.distribute.MirroredStrategy._collective_key_base = 10000
+    layouts["mirrored4"] = tfmulti.create_strategy("mirrored",
+                                                   devices=devices)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+BATCH = 32
+SPE = 8
+# 12 steps an epoch with 8 steps per call: every epoch ends with a call of
+# 4 steps, which Keras announces as steps 8..15.
+STEPS_PER_EPOCH = 12
+EPOCHS = 2
+rng = np.random.default_rng(0)
+X = rng.normal(size=(512, 8)).astype("float32")
+Y = rng.integers(0, 3, size=(512,)).astype("int32")
+X_EVAL, Y_EVAL = X[:100], Y[:100]
+
+
+def train_dataset(batch):
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(
+        batch, drop_remainder=True).repeat()
+
+
+def padded_eval_dataset():
+    # What the data layer's exact-once eval mode yields: the last global
+    # batch padded with weight-0 rows.
+    pad = -len(X_EVAL) % BATCH
+    x = np.concatenate([X_EVAL, np.zeros((pad, 8), "float32")])
+    y = np.concatenate([Y_EVAL, np.zeros((pad,), "int32")])
+    w = np.concatenate([np.ones(len(X_EVAL), "float32"),
+                        np.zeros(pad, "float32")])
+    return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+# case -> (optimizer factory, distributed() options, golden optimizer
+# factory, golden batch, updates per epoch). The golden run is plain Keras
+# `fit` on one device.
+CASES = {
+    "sgd_momentum": (sgd, {}, sgd, BATCH, STEPS_PER_EPOCH),
+    # Keras's own `global_clipnorm` acts on the reduced gradient too; 0.05
+    # is far below the gradient norms here (about 1): every step clips.
+    "adam_clipnorm": (
+        lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05), {},
+        lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05), BATCH,
+        STEPS_PER_EPOCH),
+    # tfmulti's options: 4 micro-batches of 32 per update, clipped, equal
+    # one device at batch 128.
+    "clip_accum": (sgd, {"clip_global_norm": 0.05, "grad_accum_steps": 4},
+                   lambda: keras.optimizers.SGD(0.1, momentum=0.9,
+                                                global_clipnorm=0.05),
+                   4 * BATCH, 6),
+}
+MULTI_WORKER_CASES = ("sgd_momentum", "clip_accum")
+
+
+def build(strategy, make_optimizer, steps_per_execution):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        # The optimizer binds the strategy in scope at its creation.
+        optimizer = make_optimizer()
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True),
+                      weighted_metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+    return model
+
+
+def run_case(strategy, case, golden):
+    make_opt, options, make_golden_opt, golden_batch, steps = CASES[case]
+    if golden:
+        # Keras's defaults: one step per call (with more, Keras's own loop
+        # runs whole calls past `steps_per_epoch`).
+        model = build(strategy, make_golden_opt, 1)
+        batch = golden_batch
+    else:
+        model = tfmulti.keras.distributed(build(strategy, make_opt, SPE),
+                                          **options)
+        batch = BATCH
+    began = time.perf_counter()
+    history = model.fit(train_dataset(batch), epochs=EPOCHS,
+                        steps_per_epoch=steps, verbose=0,
+                        validation_data=padded_eval_dataset())
+    result = {"loss": history.history["loss"],
+              "accuracy": history.history["accuracy"],
+              "val_loss": history.history["val_loss"],
+              "iterations": int(model.optimizer.iterations.numpy()),
+              "weights": [w.tolist() for w in model.get_weights()],
+              "fit_seconds": time.perf_counter() - began}
+    if case == "sgd_momentum":
+        result["eval"] = model.evaluate(padded_eval_dataset(), verbose=0,
+                                        return_dict=True)
+        result["predict"] = model.predict(
+            tf.data.Dataset.from_tensor_slices(X_EVAL[:96]).batch(BATCH),
+            verbose=0).tolist()
+    return result
+
+
+results = {}
+for name, strategy in layouts.items():
+    cases = MULTI_WORKER_CASES if name == "multi_worker" else CASES
+    results[name] = {case: run_case(strategy, case, name == "one_device")
+                     for case in cases}
+    # Long runs of TensorFlow graph building stall in the cyclic GC.
+    gc.collect()
+    gc.freeze()
+
+with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:
+    json.dump({"results": results,
+               "is_chief": tfmulti.cluster_config().is_chief}, f)

@@ -1,0 +1,278 @@
+"""`distributed(model)`: Keras `model.fit` through the Trainer's train step.
+
+Keras 3's own train function (TensorFlow backend, checked up to 3.15) runs
+`steps_per_execution` steps in a `tf.while_loop` with a `tf.cond` around each
+step, which MirroredStrategy cannot run ("You must feed a value for
+placeholder tensor"); its optimizer clips each replica's LOCAL gradient
+before summing, and its `gradient_accumulation_steps` puts the reduction
+inside a `tf.cond` (a crash under any strategy).
+
+`distributed` gives one compiled model instance the train function of
+`tfmulti.Trainer`: `tfmulti.training.TrainStep` (one explicit all-reduce per
+update, clipping by the reduced norm, accumulation, low-precision reduction,
+loss scaling) inside `create_train_loop` (a `tf.range` over
+`strategy.run`). Loss, metrics and callbacks stay Keras's: the compiled loss
+(`model.compute_loss`), the compiled metrics (`model.compute_metrics`) and
+the loss tracker are updated as Keras's `train_step` updates them. Evaluation
+runs `model.test_step` `steps_per_execution` times per call without a sync
+point inside the conditional that ends it at the end of the data. Nothing in
+Keras is patched: only attributes of that model instance change.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import keras
+import tensorflow as tf
+
+from tfmulti import strategies
+from tfmulti.training import gradients as gradients_lib
+from tfmulti.training import loop as loop_lib
+from tfmulti.training import step as step_lib
+from tfmulti.training import trainer as trainer_lib
+
+# The instance attribute holding this module's state on a model.
+_STATE = "_tfmulti_fit"
+
+
+def _check_accumulation(optimizer):
+    gradients_lib.reject_keras_accumulation(
+        optimizer, instead="call tfmulti.keras.distributed(model, "
+        "grad_accum_steps={steps})")
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"`model` should be a keras.Model, got "
+                         f"{type(model).__name__}.")
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ValueError(
+            f"`model` {model.name!r} is not compiled with an optimizer. Call "
+            "model.compile(optimizer=..., loss=..., steps_per_execution=...) "
+            "under `strategy.scope()` first, then tfmulti.keras."
+            "distributed(model).")
+    if model._distribute_strategy is None:
+        # TensorFlow's default strategy has no devices to loop over.
+        raise ValueError(
+            f"`model` {model.name!r} was built without a strategy. Create it "
+            "and compile it under `with strategy.scope():`, with strategy = "
+            "tfmulti.create_strategy(...) (\"one_device\" for one device).")
+    own = type(model).train_step
+    if own is not keras.Model.train_step:
+        raise ValueError(
+            f"{type(model).__name__} overrides `train_step`, which "
+            "tfmulti.keras.distributed would silently replace with tfmulti's "
+            "step. Override `compute_loss` / `compute_metrics` instead, or "
+            "use tfmulti.Trainer.")
+    _check_accumulation(model.optimizer)
+
+
+class _State:
+    """What `distributed` keeps on a model: options and the current chunk."""
+
+    def __init__(self, options):
+        self.options = options
+        # Set by `_Chunk` at each batch begin: the first step of the chunk
+        # Keras is about to run and the steps in the epoch (None: unknown).
+        self.begin = 0
+        self.steps = None
+
+
+class _Chunk(keras.callbacks.Callback):
+    """Tells the train function which steps of the epoch a call runs.
+
+    Keras's train function gets only the iterator; with `steps_per_epoch`
+    not a multiple of `steps_per_execution` the last call of an epoch must
+    run fewer steps than the others.
+    """
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def on_train_begin(self, logs=None):
+        self._state.steps = self.params.get("steps")
+        self._state.begin = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._state.begin = batch
+
+    def on_train_end(self, logs=None):
+        self._state.steps = None
+
+
+def _steps_this_call(model, state):
+    per_call = int(model.steps_per_execution)
+    if state.steps is None:
+        return per_call
+    remaining = state.steps - state.begin
+    if remaining < 1:
+        raise RuntimeError(
+            f"Keras asked for step {state.begin} of an epoch of "
+            f"{state.steps} steps; tfmulti's train function cannot tell how "
+            "many steps to run.")
+    return min(per_call, remaining)
+
+
+def _compute_loss_fn(model):
+    strategy = model.distribute_strategy
+
+    def compute_loss(x, y, sample_weight):
+        # What Keras's `train_step` does, minus the gradient: the compiled
+        # loss is already this replica's share (Keras scales it by
+        # 1/replicas under a strategy), the tracker gets the local mean.
+        if model._call_has_training_arg:
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                  sample_weight=sample_weight, training=True)
+        model._loss_tracker.update_state(
+            loss * strategy.num_replicas_in_sync,
+            sample_weight=tf.shape(
+                next(t for t in tf.nest.flatten(x) if t is not None))[0])
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return loss, y_pred
+    return compute_loss
+
+
+def _metrics_function(model):
+    # Metric variables are summed over replicas (and workers) on read: one
+    # traced read per call, not one eager collective per variable.
+    return tf.function(model.get_metrics_result)
+
+
+def _make_train_function(model, force=False):
+    if model.train_function is not None and not force:
+        return model.train_function
+    state = getattr(model, _STATE)
+    strategy = model.distribute_strategy
+    optimizer = model.optimizer
+    _check_accumulation(optimizer)
+    if not optimizer.built:
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+    trainer_lib._check_created_in_scope(strategy, model, optimizer)
+    if not gradients_lib.reduces_gradients(optimizer):
+        gradients_lib.disable_optimizer_reduction(optimizer)
+    train_step = step_lib.TrainStep(
+        strategy, model, optimizer, _compute_loss_fn(model),
+        options=state.options,
+        communication_options=strategies.communication_options(strategy))
+    train = loop_lib.create_train_loop(train_step, strategy=strategy)
+    results = _metrics_function(model)
+
+    def train_function(iterator):
+        if not isinstance(iterator, tf.distribute.DistributedIterator):
+            raise ValueError(
+                "A model made by tfmulti.keras.distributed trains from the "
+                f"distributed iterator `fit` makes; got "
+                f"{type(iterator).__name__} (train_on_batch is not "
+                "supported: use fit).")
+        train(iterator, tf.constant(_steps_this_call(model, state), tf.int32))
+        return results()
+
+    model.train_function = train_function
+    return train_function
+
+
+def _make_test_function(model, force=False):
+    if model.test_function is not None and not force:
+        return model.test_function
+    strategy = model.distribute_strategy
+
+    @tf.function
+    def run(iterator, num_steps):
+        done = tf.constant(0)
+        for _ in tf.range(num_steps):
+            # No sync point in the test step (metrics are summed on read),
+            # so a cond around it is safe; the Optional's `has_value` is
+            # agreed by every worker.
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            strategy.run(model.test_step, args=(batch.get_value(),))
+            done += 1
+        return done
+
+    results = _metrics_function(model)
+
+    def test_function(iterator):
+        done = run(iterator, tf.constant(int(model.steps_per_execution)))
+        if int(done) == 0:
+            raise StopIteration
+        return results()
+
+    model.test_function = test_function
+    return test_function
+
+
+def _fit(model, *args, **kwargs):
+    bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
+    callbacks = bound.arguments.get("callbacks")
+    chunk = _Chunk(getattr(model, _STATE))
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(chunk)
+    else:
+        bound.arguments["callbacks"] = [chunk, *(callbacks or [])]
+    return type(model).fit(*bound.args, **bound.kwargs)
+
+
+def batches_per_step(model) -> int:
+    """Batches one step of `model.fit` reads: K for a model made by
+    `distributed(model, grad_accum_steps=K)`, else 1."""
+    state = getattr(model, _STATE, None)
+    return state.options.grad_accum_steps if state is not None else 1
+
+
+def distributed(model, *, grad_accum_steps: int = 1,
+                clip_global_norm: float | None = None,
+                allreduce_dtype: str | None = None):
+    """Makes `model.fit` train with tfmulti's step under the model's strategy.
+
+    Call after `model.compile(...)` under `strategy.scope()`; then call
+    `model.fit`, `model.evaluate` and `model.predict` as usual, with any
+    `steps_per_execution`. Changes only this instance: its
+    `make_train_function` and `make_test_function` (and `fit`, to learn
+    where each call starts in the epoch); returns the same model. The
+    optimizer's own cross-replica reduction is replaced (see
+    `tfmulti.training.disable_optimizer_reduction`), so the optimizer's
+    `clipnorm` / `global_clipnorm` act on the reduced gradient too. Mixed
+    precision follows the model's dtype policy: under "mixed_float16"
+    `compile` wraps the optimizer in a LossScaleOptimizer, whose overflow
+    check then runs on the reduced gradient.
+
+    With `grad_accum_steps` K, one step of `fit` (and of `steps_per_epoch`)
+    is one update over K batches.
+
+    Args:
+      model: a Keras 3 model built and compiled under a strategy's scope
+        (`tfmulti.create_strategy`: one_device, mirrored or multi_worker).
+      grad_accum_steps: K batches per optimizer update, one all-reduce.
+      clip_global_norm: clip the REDUCED gradient to this global norm.
+      allreduce_dtype: None, "float16" or "bfloat16": gradients on the wire.
+
+    Returns:
+      `model`.
+
+    Raises:
+      ValueError: the model is not compiled, was built without a strategy,
+        overrides `train_step`, its
+        optimizer uses `gradient_accumulation_steps`, or an option is bad.
+    """
+    _check_model(model)
+    options = step_lib.GradientOptions(
+        grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
+        allreduce_dtype=allreduce_dtype)
+    setattr(model, _STATE, _State(options))
+    # Instance attributes shadow the class's methods for this model only;
+    # `compile` resets the functions to None, so they are made lazily.
+    model.make_train_function = functools.partial(_make_train_function,
+                                                  model)
+    model.make_test_function = functools.partial(_make_test_function, model)
+    model.fit = functools.partial(_fit, model)
+    model.train_function = None
+    model.test_function = None
+    return model
