@@ -33,7 +33,7 @@ def test_bad_reduce_config_and_mode_are_named():
 
 def test_methods_include_variants_the_step_benchmark_adds():
     figures = {"bare_loop_32": 3.0, "keras_fit": 1.0, "tfmulti_fit_32": 2.0,
-               "trainer_32_vs_bare": 0.9, "replicas": 4, "rounds": {}}
+               "trainer_32_vs_bare_loop_32": 0.9, "replicas": 4, "rounds": {}}
     assert report.methods(figures) == ["bare_loop_32", "keras_fit",
                                        "tfmulti_fit_32"]
 
@@ -60,7 +60,7 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
             for method in ("bare_loop_32", "trainer_32", "trainer_1",
                            "keras_fit"):
                 assert figures[method] > 0
-            assert figures["trainer_32_vs_bare"] > 0
+            assert figures["trainer_32_vs_bare_loop_32"] > 0
         scaling = results["replica_overhead"][model]["trainer_32"]
         assert scaling["1"] == 1.0 and scaling["2"] > 0
 

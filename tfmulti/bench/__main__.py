@@ -41,16 +41,16 @@ MODES = {
     "quick": {
         "replicas": (1, 2, 4),
         "mlp": {"steps": 128, "repeats": 3},
-        "cnn": {"steps": 32, "repeats": 3},
+        "cnn": {"steps": 64, "repeats": 2},
         "input_pipeline": {"replicas": 2, "steps": 10, "rounds": 4},
         "communication": {"params": 10_000_000, "steps": 2, "repeats": 3},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 3},
     },
     "tiny": {
         "replicas": (1, 2),
-        "mlp": {"steps": 32, "repeats": 1},
-        # 32 steps: the bare loop runs whole loops of 32.
-        "cnn": {"steps": 32, "repeats": 1, "batch": 8},
+        # Two calls of 32 steps: the steady fit rate is timed between them.
+        "mlp": {"steps": 64, "repeats": 1},
+        "cnn": {"steps": 64, "repeats": 1, "batch": 8},
         "input_pipeline": {"replicas": 1, "steps": 2, "rounds": 1,
                            "global_batch_size": 16},
         "communication": {"params": 100_000, "steps": 1, "repeats": 1},
@@ -121,14 +121,13 @@ def _in_turn(calls, concurrent):
 
 
 def _step_overhead(mode, timeout):
-    def layout(part, model, n):
-        return lambda: _run_part(part, dict(mode[model], replicas=n),
-                                 timeout=timeout)[0]
+    def layout(model, n):
+        return lambda: _run_part(
+            "step_overhead", dict(mode[model], replicas=n, model=model),
+            timeout=timeout)[0]
 
-    calls = {(model, str(n)): layout(part, model, n)
-             for n in mode["replicas"]
-             for model, part in (("mlp", "step_overhead"),
-                                 ("cnn", "cnn_overhead"))}
+    calls = {(model, str(n)): layout(model, n)
+             for n in mode["replicas"] for model in ("mlp", "cnn")}
     results = {"mlp": {}, "cnn": {}}
     for (model, n), figures in _in_turn(
             calls, mode.get("concurrent", False)).items():

@@ -22,11 +22,6 @@ def _step_overhead(**kwargs):
     return step_overhead.run(**kwargs)
 
 
-def _cnn_overhead(**kwargs):
-    from tfmulti.bench import cnn_overhead
-    return cnn_overhead.run(**kwargs)
-
-
 def _input_pipeline(*, replicas, **kwargs):
     import tfmulti
     devices = tfmulti.simulate_devices(replicas)
@@ -47,7 +42,6 @@ def _accumulation_memory(**kwargs):
 
 PARTS = {
     "step_overhead": _step_overhead,
-    "cnn_overhead": _cnn_overhead,
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,

@@ -25,33 +25,45 @@ RATIOS = (("trainer_32", "bare_loop_32", 0.95), ("trainer_32", "keras_fit", 5),
           ("tfmulti_fit_32_steady", "keras_fit_steady", 5),
           ("tfmulti_fit_32", "keras_fit", 5))
 FEATURES, CLASSES = 64, 10
+# The CNN variant: `models.small_cnn` on small uint8 images, more compute per
+# step than the MLP, so a smaller share of each step is overhead.
+IMAGE_SHAPE = (16, 16, 3)
+MODELS = ("mlp", "cnn")
 
 
-def _setup(replicas, batch, width):
+def _setup(replicas, batch, width, model):
     import keras
     import numpy as np
     import tensorflow as tf
 
     import tfmulti
+    from tfmulti import models
 
     devices = tfmulti.simulate_devices(replicas)
     strategy = tfmulti.create_strategy("mirrored", devices=devices)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch * 64, FEATURES)).astype("float32")
-    y = rng.integers(0, CLASSES, size=(batch * 64,)).astype("int32")
+    if model == "cnn":
+        x = rng.integers(0, 256, size=(batch * 16, *IMAGE_SHAPE)).astype(
+            "uint8")
+    else:
+        x = rng.normal(size=(batch * 64, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(len(x),)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
         batch, drop_remainder=True).cache().repeat().prefetch(16)
 
     def build():
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = keras.Sequential([
-                keras.Input((FEATURES,)),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dense(CLASSES)])
+            if model == "cnn":
+                net = models.small_cnn(IMAGE_SHAPE, CLASSES, batch_norm=False)
+            else:
+                net = keras.Sequential([
+                    keras.Input((FEATURES,)),
+                    keras.layers.Dense(width, activation="relu"),
+                    keras.layers.Dense(width, activation="relu"),
+                    keras.layers.Dense(CLASSES)])
             optimizer = keras.optimizers.Adam(1e-3)
-        return model, optimizer
+        return net, optimizer
 
     return strategy, dataset, build
 
@@ -153,7 +165,7 @@ def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
 
 
 def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
-        steps: int = 256, repeats: int = 5) -> dict:
+        steps: int = 256, repeats: int = 5, model: str = "mlp") -> dict:
     """Measures every variant in this process; returns the figures.
 
     Must run in a fresh process (it lays out `replicas` simulated devices).
@@ -168,7 +180,14 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     """
     import statistics
 
-    strategy, dataset, build = _setup(replicas, batch, width)
+    if model not in MODELS:
+        raise ValueError(f"`model` is {model!r}; use one of {list(MODELS)}.")
+    if steps < 2 * LOOP or steps % LOOP:
+        # The steady rate is timed between the ends of the first and the
+        # last call of LOOP steps: it needs two calls at least.
+        raise ValueError(f"`steps` is {steps}; it should be a multiple of "
+                         f"{LOOP} and at least {2 * LOOP}.")
+    strategy, dataset, build = _setup(replicas, batch, width, model)
     variants = [
         _bare_loop(strategy, dataset, build, steps),
         _trainer(strategy, dataset, build, steps, LOOP, name="trainer_32"),
@@ -191,7 +210,7 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
             a / b for a, b in zip(rounds[name], rounds[other]))
     figures["rounds"] = rounds
     figures.update(replicas=replicas, batch=batch, width=width, steps=steps,
-                   repeats=repeats)
+                   repeats=repeats, model=model)
     return figures
 
 

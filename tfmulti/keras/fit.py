@@ -27,6 +27,7 @@ import inspect
 import keras
 import tensorflow as tf
 
+from tfmulti import peer_failure
 from tfmulti import strategies
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -217,7 +218,10 @@ def _fit(model, *args, **kwargs):
         callbacks.append(chunk)
     else:
         bound.arguments["callbacks"] = [chunk, *(callbacks or [])]
-    return type(model).fit(*bound.args, **bound.kwargs)
+    # A lost peer surfaces as PeerFailureError naming the cause, as in the
+    # Trainer.
+    with peer_failure.translated(model.distribute_strategy):
+        return type(model).fit(*bound.args, **bound.kwargs)
 
 
 def batches_per_step(model) -> int:
