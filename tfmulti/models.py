@@ -27,7 +27,11 @@ def small_cnn(input_shape=(32, 32, 3), num_classes: int = 10, *,
         x = layers.Conv2D(filters, 3, padding="same",
                           use_bias=not batch_norm)(x)
         if batch_norm:
-            x = layers.BatchNormalization()(x)
+            # Momentum 0.9, not Keras's 0.99: a run of a few hundred steps
+            # must end with moving statistics that describe the trained
+            # weights, or test accuracy lags far behind training accuracy
+            # (measured: 17% test vs 80% train after 312 steps at 0.99).
+            x = layers.BatchNormalization(momentum=0.9)(x)
         x = layers.Activation("relu")(x)
         x = layers.MaxPooling2D()(x)
     x = layers.Flatten()(x)
