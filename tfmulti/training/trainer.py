@@ -47,17 +47,23 @@ def _resolve_strategy(strategy, model):
     return tf.distribute.get_strategy()
 
 
+def _outside_scope(strategy, variables):
+    """The first of `variables` not created under `strategy`, else None."""
+    return next((v for v in variables
+                 if not strategy.extended.variable_created_in_scope(
+                     getattr(v, "value", v))), None)
+
+
 def _check_created_in_scope(strategy, model, optimizer):
     fix = ("Create the model and the optimizer inside `with "
            "strategy.scope():` (the same strategy you pass to the Trainer), "
            "before building them.")
-    for variable in model.variables:
-        if not strategy.extended.variable_created_in_scope(
-                getattr(variable, "value", variable)):
-            raise ValueError(
-                f"The model's variable {variable.path!r} was not created "
-                f"under the scope of the strategy "
-                f"{type(strategy).__name__}. {fix}")
+    variable = _outside_scope(strategy, model.variables)
+    if variable is not None:
+        raise ValueError(
+            f"The model's variable {variable.path!r} was not created "
+            f"under the scope of the strategy "
+            f"{type(strategy).__name__}. {fix}")
     # Keras's TF optimizer binds the strategy current at its construction
     # and updates variables through it.
     bound = getattr(optimizer, "_distribution_strategy", strategy)
@@ -70,16 +76,14 @@ def _check_created_in_scope(strategy, model, optimizer):
 
 def _resolve_metric(metric, strategy):
     if isinstance(metric, keras.metrics.Metric):
-        for variable in metric.variables:
-            if not strategy.extended.variable_created_in_scope(
-                    getattr(variable, "value", variable)):
-                raise ValueError(
-                    f"The metric {metric.name!r} was created outside the "
-                    f"scope of the strategy {type(strategy).__name__}, so "
-                    "its counts would not be summed across replicas and "
-                    "workers. Create it inside `with strategy.scope():`, or "
-                    f"pass its name (e.g. {metric.name!r}) and the Trainer "
-                    "creates it there.")
+        if _outside_scope(strategy, metric.variables) is not None:
+            raise ValueError(
+                f"The metric {metric.name!r} was created outside the "
+                f"scope of the strategy {type(strategy).__name__}, so "
+                "its counts would not be summed across replicas and "
+                "workers. Create it inside `with strategy.scope():`, or "
+                f"pass its name (e.g. {metric.name!r}) and the Trainer "
+                "creates it there.")
         return metric
     resolved = keras.metrics.get(metric)
     if isinstance(resolved, keras.metrics.Metric):
