@@ -19,20 +19,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
 
-MODE, OUT = sys.argv[1], sys.argv[2]
-if MODE == "multi_worker":
-    layouts = {"multi_worker": tfmulti.create_strategy("multi_worker")}
-else:
-    import tensorflow as tf
+from layouts import golden_layouts  # noqa: E402
 
-    devices = tfmulti.simulate_devices(4)
-    layouts = {"one_device": tfmulti.create_strategy("one_device",
-                                                     devices=devices[:1])}
-    # Two strategies over different CPU sets in one process clash on
-    # collective keys (see tests/workers/trainer_golden.py).
-    tf.distribute.MirroredStrategy._collective_key_base = 10000
-    layouts["mirrored4"] = tfmulti.create_strategy("mirrored",
-                                                   devices=devices)
+MODE, OUT = sys.argv[1], sys.argv[2]
+layouts = golden_layouts(MODE, (4,))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -19,16 +19,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
 
+from layouts import golden_layouts  # noqa: E402
+
 MODE, OUT = sys.argv[1], sys.argv[2]
-if MODE == "multi_worker":
-    layouts = {"multi_worker": tfmulti.create_strategy("multi_worker")}
-else:
-    devices = tfmulti.simulate_devices(4)
-    layouts = {"one_device": tfmulti.create_strategy("one_device",
-                                                     devices=devices[:1])}
-    for n in (2, 4):
-        layouts[f"mirrored{n}"] = tfmulti.create_strategy(
-            "mirrored", devices=devices[:n])
+layouts = golden_layouts(MODE, (2, 4))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
