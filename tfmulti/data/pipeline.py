@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from tfmulti.data import finiteness
 from tfmulti.data import sharding as sharding_lib
 
 _log = logging.getLogger(__name__)
@@ -326,5 +327,6 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     _log.info("tfmulti: global batch %d = %d replica(s) x per-replica batch "
               "%d (%s)", global_batch_size, replicas, per_replica,
               "training" if training else "evaluation")
-    return strategy.distribute_datasets_from_function(
+    distributed = strategy.distribute_datasets_from_function(
         functools.partial(build_pipeline, dataset_fn, options=options))
+    return finiteness.mark_endless(distributed) if training else distributed

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
+from tfmulti.data import finiteness
 from tfmulti import peer_failure, strategies
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
@@ -119,6 +120,12 @@ def _check_per_example(per_example):
             "replicas. Pass a Keras loss with `reduction=None`, e.g. "
             "keras.losses.SparseCategoricalCrossentropy(from_logits=True, "
             "reduction=None), or a function returning shape [batch].")
+
+
+def _check_eval_data(eval_data):
+    finiteness.check_finite(eval_data, arg="eval_data", fix=(
+        "Pass an exact-once evaluation stream: tfmulti.distribute_"
+        "dataset(..., training=False), or a dataset without .repeat()."))
 
 
 class Trainer:
@@ -365,6 +372,8 @@ class Trainer:
         if checkpoint_every is not None:
             _positive_int("checkpoint_every", checkpoint_every,
                           "Or pass None to save at evaluations and the end.")
+        if eval_data is not None:
+            _check_eval_data(eval_data)
         fresh_iterator = train_data is not self._source
         iterator, batch = self._iterator_for(train_data, global_batch_size)
         train = self._train_loop(batch)
@@ -470,6 +479,7 @@ class Trainer:
         Returns:
           {"loss": weighted mean loss, metric name: value, ...}.
         """
+        _check_eval_data(eval_data)
         if isinstance(eval_data, tf.data.Dataset):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
@@ -485,6 +495,11 @@ class Trainer:
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
         self._eval_fn(iter(eval_data))
+        if float(self._eval_loss.count.numpy()) == 0:
+            raise ValueError(
+                "`eval_data` yielded no examples (an empty dataset, or one "
+                "whose every batch was padding), so there is no loss to "
+                "report. Check the split and any filter() in the pipeline.")
         return {m.name: float(m.result())
                 for m in (self._eval_loss, *self.metrics)}
 

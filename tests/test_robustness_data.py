@@ -1,0 +1,80 @@
+"""Endless and empty streams where a finite one is needed: refused up front.
+
+In process, one device: each case used to hang inside one tf.function (or
+return a loss of 0.0); now it fails before anything runs, naming the
+argument and the fix.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmulti  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                  reduction=None)
+
+
+def _dataset_fn(input_context):
+    del input_context
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((x, np.zeros(32, "int32")))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        trainer = tfmulti.Trainer(model, keras.optimizers.SGD(0.1),
+                                  loss=LOSS)
+    train = tfmulti.distribute_dataset(strategy, _dataset_fn,
+                                       global_batch_size=8)
+    return strategy, trainer, train
+
+
+def test_trainer_refuses_the_endless_training_stream_for_eval(setup):
+    _, trainer, train = setup
+    endless = "`eval_data` is an endless stream"
+    with pytest.raises(ValueError, match=endless):
+        trainer.evaluate(train)
+    repeated = _dataset_fn(None).repeat().batch(8)
+    with pytest.raises(ValueError, match=endless):
+        trainer.evaluate(repeated)
+    # fit refuses before its first step.
+    with pytest.raises(ValueError, match=endless):
+        trainer.fit(train, steps=2, eval_data=train)
+    assert trainer.step == 0
+
+
+def test_trainer_evaluate_on_an_empty_dataset_is_an_error(setup):
+    _, trainer, _ = setup
+    empty = _dataset_fn(None).take(0).batch(8)
+    with pytest.raises(ValueError, match="`eval_data` yielded no examples"):
+        trainer.evaluate(empty)
+
+
+def test_keras_fit_and_evaluate_refuse_the_endless_stream(setup):
+    strategy, _, train = setup
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    tfmulti.keras.distributed(model)
+    for steps in (None, 0):
+        with pytest.raises(ValueError, match=(
+                f"`steps_per_epoch` is {steps} but `x` is an endless "
+                "training stream .* Pass steps_per_epoch=")):
+            model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)
+    with pytest.raises(ValueError, match="`validation_data` is an endless"):
+        model.fit(train, epochs=1, steps_per_epoch=2, validation_data=train,
+                  verbose=0)
+    with pytest.raises(ValueError, match="`x` is an endless stream"):
+        model.evaluate(train, verbose=0)
+    # With steps given, the same stream is fine.
+    model.fit(train, epochs=1, steps_per_epoch=2, verbose=0)
