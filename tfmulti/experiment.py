@@ -67,6 +67,11 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
                                suffix=".json")
+    # mkstemp makes the file 0600; on shared storage the others who read
+    # results need what the umask allows (0644 usually).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=True, default=str)
@@ -75,6 +80,31 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def check_output_dir(model_dir: str) -> None:
+    """Fails at start, naming the path, where the end would fail to write.
+
+    Raises:
+      ValueError: `model_dir` cannot be created or written, or its
+        `metrics.json` is a directory.
+    """
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"`model_dir` {model_dir!r} cannot be created ({e.strerror}: "
+            f"{e.filename!r}). Pass a directory this process can create and "
+            "write.") from None
+    if not os.access(model_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"`model_dir` {model_dir!r} is not writable by this "
+                         "process. Pass a directory it can write.")
+    metrics = os.path.join(model_dir, "metrics.json")
+    if os.path.isdir(metrics):
+        raise ValueError(
+            f"{metrics!r} is a directory, so the run's results could not be "
+            "written there at the end. Remove it or use another "
+            "`model_dir`.")
 
 
 def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
@@ -102,6 +132,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
+    if cluster_lib.of_strategy(strategy).is_chief:
+        check_output_dir(config.model_dir)
 
     import keras
     import tensorflow as tf
