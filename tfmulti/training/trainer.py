@@ -17,6 +17,7 @@ from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
 from tfmulti.data import finiteness
 from tfmulti import peer_failure, strategies
+from tfmulti.training import agreement
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -376,9 +377,13 @@ class Trainer:
             _check_eval_data(eval_data)
         fresh_iterator = train_data is not self._source
         iterator, batch = self._iterator_for(train_data, global_batch_size)
-        train = self._train_loop(batch)
         checkpointer = self._restore(iterator, fresh_iterator, verbose) if (
             self.model_dir) else None
+        # Before the train loop is built: with another grad_accum_steps it
+        # creates other variables, whose broadcasts would meet this check's
+        # all-reduce on the other worker.
+        self._check_workers_agree(batch, steps)
+        train = self._train_loop(batch)
         train_writer = summaries.ScalarWriter(self.model_dir, self.strategy,
                                               "train")
         eval_writer = summaries.ScalarWriter(self.model_dir, self.strategy,
@@ -454,6 +459,19 @@ class Trainer:
                 self._preemption, checkpointer, step, say=self._print)
         callback_list.on_train_end(history)
         return history
+
+    def _check_workers_agree(self, global_batch_size, steps):
+        agreement.check_agreement(self.strategy, {
+            "global_batch_size": global_batch_size,
+            "grad_accum_steps": self._options.grad_accum_steps,
+            "steps_per_loop": self._steps_per_loop,
+            "steps": steps,
+            "model variable shapes (fingerprint)":
+                agreement.shapes_fingerprint(self.model.variables),
+            "restored step": self.step,
+        }, fixes={"restored step": (
+            "Every worker restores from `model_dir`, so it must be one "
+            "directory on storage all workers share (not a local path).")})
 
     # -- evaluation -------------------------------------------------------
 
