@@ -181,13 +181,15 @@ def _soak(mode, timeout):
     # Minutes long by design: the full bench only.
     if "soak" not in mode:
         return None
-    configs = cluster_lib.local_cluster(2)
     settings = mode["soak"]
-    return {entry: _run_part(
+    # The two jobs at once: threads, memory and files are per process, and
+    # the part stays minutes long rather than twice that.
+    return _in_turn({entry: (lambda entry=entry, configs=configs: _run_part(
         "soak", dict(settings, entry=entry),
         timeout=max(timeout, settings["seconds"] + 240),
-        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
-        for entry in ("trainer", "fit")}
+        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
+        for entry, configs in (("trainer", cluster_lib.local_cluster(2)),
+                               ("fit", cluster_lib.local_cluster(2)))}, True)
 
 
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
