@@ -177,6 +177,14 @@ def _input_pipeline(mode, timeout):
     return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
+def _two_clusters():
+    """Two 2-worker loopback clusters on four distinct free ports."""
+    ports = [int(a.rsplit(":", 1)[1]) for a in cluster_lib.local_cluster(
+        4)[0]["cluster"]["worker"]]
+    return [cluster_lib.local_cluster(2, ports=ports[:2]),
+            cluster_lib.local_cluster(2, ports=ports[2:])]
+
+
 def _soak(mode, timeout):
     # Minutes long by design: the full bench only.
     if "soak" not in mode:
@@ -188,8 +196,8 @@ def _soak(mode, timeout):
         "soak", dict(settings, entry=entry),
         timeout=max(timeout, settings["seconds"] + 240),
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
-        for entry, configs in (("trainer", cluster_lib.local_cluster(2)),
-                               ("fit", cluster_lib.local_cluster(2)))}, True)
+        for entry, configs in zip(("trainer", "fit"), _two_clusters())},
+        True)
 
 
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
