@@ -399,6 +399,7 @@ class Trainer:
         # Read once: a read of the mirrored step variable per use would
         # cost device round trips every loop.
         step = last_saved = self.step
+        skips_in_a_row = 0
         while step < steps and not self.model.stop_training:
             start = step
             n = min(self._steps_per_loop, steps - start)
@@ -415,6 +416,10 @@ class Trainer:
             elapsed = time.perf_counter() - began
             self._step.assign_add(n)
             step += n
+            skips_in_a_row = numerics.consecutive_skips(skips_in_a_row,
+                                                        losses)
+            numerics.check_consecutive_skips(skips_in_a_row, step=step,
+                                             optimizer=self.optimizer)
             logs = {"loss": float(losses.mean()),
                     **{m.name: float(m.result()) for m in self.metrics}}
             speed = {"steps_per_sec": n / elapsed,
