@@ -78,3 +78,23 @@ def test_keras_fit_and_evaluate_refuse_the_endless_stream(setup):
         model.evaluate(train, verbose=0)
     # With steps given, the same stream is fine.
     model.fit(train, epochs=1, steps_per_epoch=2, verbose=0)
+
+
+def test_distribute_dataset_bad_dataset_fn_or_cache_path(setup, tmp_path):
+    strategy = setup[0]
+    with pytest.raises(ValueError, match=(
+            "`dataset_fn` should be a callable .* got _TensorSliceDataset. "
+            "Wrap a dataset as `lambda input_context: dataset`")):
+        tfmulti.distribute_dataset(strategy, _dataset_fn(None),
+                                   global_batch_size=8)
+    with pytest.raises(ValueError, match=(
+            "`dataset_fn` returned a batched dataset .* Remove the .batch()")):
+        tfmulti.distribute_dataset(
+            strategy, lambda ctx: _dataset_fn(ctx).batch(4),
+            global_batch_size=8)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=(
+            r"`cache` is '.*/afile/cache', but '.*/afile' is not a "
+            r"directory \(it is a file\)")):
+        tfmulti.distribute_dataset(strategy, _dataset_fn, global_batch_size=8,
+                                   cache=str(tmp_path / "afile" / "cache"))
