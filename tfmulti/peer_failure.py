@@ -17,6 +17,7 @@ import functools
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import strategies
 
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                 tf.errors.AbortedError, tf.errors.CancelledError)
@@ -51,9 +52,8 @@ def translated(strategy):
         if num_workers < 2:
             raise
         if isinstance(e, tf.errors.DeadlineExceededError):
-            timeout = getattr(getattr(
-                strategy, "_tfmulti_communication_options", None),
-                "timeout_seconds", None)
+            timeout = strategies.communication_options(
+                strategy).timeout_seconds
             cause = ("another worker did not join it within `timeout_"
                      f"seconds`={timeout} of create_strategy: it is stuck, "
                      "far slower, or dead (raise the timeout if the job "
