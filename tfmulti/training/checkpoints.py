@@ -130,10 +130,11 @@ def read_position(prefix: str) -> Position | None:
     """The `Position` saved in checkpoint `prefix`, without restoring it;
     None if the checkpoint has none or cannot be read."""
     try:
-        reader = tf.train.load_checkpoint(prefix)
-        key = next(k for k in reader.get_variable_to_shape_map()
-                   if k.startswith("position/"))
-        return Position.from_json(reader.get_tensor(key).decode())
+        with compat.readable_checkpoint(prefix) as readable:
+            reader = tf.train.load_checkpoint(readable)
+            key = next(k for k in reader.get_variable_to_shape_map()
+                       if k.startswith("position/"))
+            return Position.from_json(reader.get_tensor(key).decode())
     except (StopIteration, ValueError, tf.errors.OpError):
         return None
 
@@ -219,7 +220,9 @@ class Checkpointer:
         failures = []
         for _, path in reversed(self.checkpoints()):
             try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
+                with compat.readable_checkpoint(path) as readable:
+                    self.checkpoint.restore(
+                        readable).assert_existing_objects_matched()
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 failures.append((path, e))
                 continue
