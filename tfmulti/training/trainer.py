@@ -245,20 +245,8 @@ class Trainer:
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
                     self.strategy))
-            loop = loop_lib.create_train_loop(train_step,
-                                              strategy=self.strategy)
-            metrics = self.metrics
-
-            @tf.function
-            def train(iterator, num_steps):
-                # Metrics reset and read inside the one call per loop: no
-                # eager collective per metric variable between loops.
-                for metric in metrics:
-                    metric.reset_state()
-                losses = loop.traced(iterator, num_steps)
-                return losses, {m.name: m.result() for m in metrics}
-
-            self._loops[global_batch_size] = train
+            self._loops[global_batch_size] = loop_lib.create_train_loop(
+                train_step, strategy=self.strategy, metrics=self.metrics)
         return self._loops[global_batch_size]
 
     def _distribute(self, data, global_batch_size):
@@ -453,7 +441,8 @@ class Trainer:
             began = time.perf_counter()
             if n not in lengths:
                 lengths[n] = tf.constant(n, tf.int32)
-            losses, metrics = train(iterator, lengths[n])
+            losses, metrics = train(iterator, lengths[n]) if (
+                self.metrics) else (train(iterator, lengths[n]), {})
             losses = losses.numpy()
             skipped = numerics.check_losses(losses, first_step=start,
                                             on_nonfinite=on_nonfinite)
