@@ -20,7 +20,8 @@ STOP, STEPS = 12, 16
 
 
 def _jobs(*jobs):
-    return json.dumps([[str(d), s, str(o)] for d, s, o in jobs])
+    return json.dumps([[layout, str(d), s, str(o)]
+                       for layout, d, s, o in jobs])
 
 
 def _read(path, index=0):
@@ -30,21 +31,20 @@ def _read(path, index=0):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     t = tmp_path_factory.mktemp("elastic")
-    # First halves: 4 replicas; 2 workers.
-    run_python([WORKER, "mirrored", "4", _jobs(
-        (t / "m", STOP, t / "m-first.json"))], timeout=300)
-    run_workers([WORKER, "multi_worker", "1", _jobs(
-        (t / "w21", STOP, t / "w21-first-{index}.json"))], 2, timeout=300)
-    # One worker: the golden run, the first half of 1 -> 2, the second
-    # half of 2 -> 1.
-    run_python([WORKER, "one_device", "1", _jobs(
-        (t / "golden", STEPS, t / "golden.json"),
-        (t / "w12", STOP, t / "w12-first.json"),
-        (t / "w21", STEPS, t / "w21.json"))], timeout=300)
-    run_python([WORKER, "mirrored", "2", _jobs(
-        (t / "m", STEPS, t / "m.json"))], timeout=300)
-    run_workers([WORKER, "multi_worker", "1", _jobs(
-        (t / "w12", STEPS, t / "w12-{index}.json"))], 2, timeout=300)
+    # Three processes in turn: one with 4 simulated devices, two workers,
+    # then one device.
+    run_python([WORKER, "4", _jobs(
+        ("one_device", t / "golden", STEPS, t / "golden.json"),
+        ("mirrored4", t / "m", STOP, t / "m-first.json"),
+        ("mirrored2", t / "m", STEPS, t / "m.json"),
+        ("one_device", t / "w12", STOP, t / "w12-first.json"))],
+        timeout=300)
+    run_workers([WORKER, "1", _jobs(
+        ("multi_worker", t / "w12", STEPS, t / "w12-{index}.json"),
+        ("multi_worker", t / "w21", STOP, t / "w21-first-{index}.json"))],
+        2, timeout=300)
+    run_python([WORKER, "1", _jobs(
+        ("one_device", t / "w21", STEPS, t / "w21.json"))], timeout=300)
     return {"golden": _read(t / "golden.json"),
             "4->2": [_read(t / "m.json")],
             "2->1": [_read(t / "w21.json")],

@@ -1,11 +1,11 @@
 """Trainer jobs for the elastic-resume tests: train to a step in a model_dir
 (resuming whatever is there) on a given layout.
 
-Usage: elastic_resume.py STRATEGY DEVICES JOBS_JSON
-STRATEGY: one_device | mirrored | multi_worker (TF_CONFIG from the
-environment); DEVICES: simulated CPU devices. JOBS_JSON: a list of
-[model_dir, steps, out_json] run in order in this process ('{index}' in
-out_json becomes the worker index). Each out_json gets the weights, the
+Usage: elastic_resume.py DEVICES JOBS_JSON
+DEVICES: simulated CPU devices. JOBS_JSON: a list of [layout, model_dir,
+steps, out_json] run in order in this process; layout: one_device,
+mirrored2, mirrored4 or multi_worker (TF_CONFIG from the environment; then
+every job of the process), '{index}' in out_json becomes the worker index. Each out_json gets the weights, the
 per-example count of how often each example was trained on (a variable in
 the model, saved and restored with it), the step reached, and the restore
 line the Trainer printed.
@@ -21,11 +21,23 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
 
-NAME, DEVICES, JOBS = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+DEVICES, JOBS = int(sys.argv[1]), json.loads(sys.argv[2])
 devices = tfmulti.simulate_devices(DEVICES) if DEVICES > 1 else None
-strategy = tfmulti.create_strategy(
-    NAME, **({"devices": devices} if NAME == "mirrored" else {}))
 cluster = tfmulti.cluster_config()
+strategies = {}
+
+
+def strategy_for(layout):
+    if layout not in strategies:
+        strategies[layout] = tfmulti.create_strategy(
+            "mirrored", devices=devices[:int(layout[-1])]) if (
+                layout.startswith("mirrored")) else tfmulti.create_strategy(
+                    layout)
+    return strategies[layout]
+
+
+if JOBS[0][0] == "multi_worker":
+    strategy_for("multi_worker")       # before any other TensorFlow op
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -63,7 +75,8 @@ class Seen(keras.layers.Layer):
         return x[:, :-1]
 
 
-def job(model_dir, steps, out):
+def job(layout, model_dir, steps, out):
+    strategy = strategy_for(layout)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         seen = Seen()
@@ -97,5 +110,5 @@ def job(model_dir, steps, out):
                       if v.shape.rank]}, f)
 
 
-for model_dir, steps, out in JOBS:
-    job(model_dir, steps, out)
+for spec in JOBS:
+    job(*spec)
