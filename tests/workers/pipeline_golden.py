@@ -1,23 +1,28 @@
 """Pipelined training vs one device, several (S, M, D) cases in one process.
 
-Usage: pipeline_golden.py OUT.json CASES
+Usage: pipeline_golden.py OUT.json CASES CKPT_DIR
 CASES is a comma list of S:M:D[:schedule[:model]] (model "mlp", "seq" or
 "residual"). Writes, per case, the largest weight and loss difference from a
-one-device run of the same steps, and parameter bytes per device.
+one-device run of the same steps, and parameter bytes per device. Then the
+checkpoint interchange: the last case's pipelined model saves its weights and
+predictions to CKPT_DIR (pipeline_restore.py loads them in a one-device
+process), and a one-device checkpoint loads into a fresh pipelined model.
 """
 
 import json
 import sys
 
+import keras
+import numpy as np
+import tensorflow as tf
+
 import tfmulti
+from tfmulti import pipeline
+from tfmulti.pipeline import placement
 
-DEVICES = tfmulti.simulate_devices(8)
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tfmulti import pipeline  # noqa: E402
+# Set first thing in main(): pipeline_restore.py imports this module's model
+# and data into a one-device process.
+DEVICES = None
 
 STEPS = 3
 BATCH = 16
@@ -113,17 +118,17 @@ def run(case, goldens):
         for s in range(S):
             want = pipe.devices[d][s]
             for v in pipe._trainable[d][s] + pipe._non_trainable[d][s]:
-                placement_ok &= pipeline.placement.same_device(
+                placement_ok &= placement.same_device(
                     v.value.device, want)
     for d, opt in enumerate(pipe.optimizers):
         for s in range(S):
             for v in pipe._trainable[d][s]:
                 for slot in [opt.momentums[opt._get_variable_index(v)]]:
-                    placement_ok &= pipeline.placement.same_device(
+                    placement_ok &= placement.same_device(
                         slot.value.device, pipe.devices[d][s])
-    layer_bytes = max(pipeline.placement.variable_bytes(l.weights)
+    layer_bytes = max(placement.variable_bytes(l.weights)
                       for l in model.layers)
-    total_bytes = pipeline.placement.variable_bytes(model.weights)
+    total_bytes = placement.variable_bytes(model.weights)
     return {
         "case": case, "cuts": list(pipe.cuts),
         "loss_diff": max(abs(a - b) for a, b in zip(losses, g_losses)),
@@ -133,16 +138,54 @@ def run(case, goldens):
         "bytes_per_device": pipe.parameter_bytes_per_device(),
         "optimizer_bytes_per_device": pipe.optimizer_bytes_per_device(),
         "largest_layer_bytes": layer_bytes, "total_bytes": total_bytes,
-        "stage_bytes": [pipeline.placement.variable_bytes(st.model.weights)
+        "stage_bytes": [placement.variable_bytes(st.model.weights)
                         for st in pipe.stages],
     }
 
 
+def interchange(case, ckpt_dir):
+    """Pipelined -> file for the one-device process; one device -> pipeline."""
+    S, M, D = (int(p) for p in case.split(":")[:3])
+    x = data()[0][0]
+    model = make_model("mlp")
+    pipe = pipeline.PipelinedModel(
+        model, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=loss_fn(), num_stages=S, micro_batches=M, data_parallel=D)
+    xs, ys = data()
+    for xb, yb in zip(xs, ys):
+        pipe.train_step(xb, yb)
+    pipe.save_weights(f"{ckpt_dir}/pipelined.weights.h5")
+    np.save(f"{ckpt_dir}/pipelined_predictions.npy", pipe.predict(x))
+    # The reverse: a one-device model's checkpoint into a new pipeline.
+    with tf.device(DEVICES[0]):
+        single = make_model("mlp")
+        keras.utils.set_random_seed(3)
+        single.set_weights([np.random.normal(size=w.shape).astype("float32")
+                            for w in single.get_weights()])
+        single.save_weights(f"{ckpt_dir}/single.weights.h5")
+        expected = single.predict(x, verbose=0)
+    fresh = pipeline.PipelinedModel(
+        make_model("mlp"), optimizer=keras.optimizers.SGD(0.1),
+        loss=loss_fn(), num_stages=S, micro_batches=M, data_parallel=D,
+        verbose=False)
+    fresh.load_weights(f"{ckpt_dir}/single.weights.h5")
+    group_diff = max(
+        float(np.max(np.abs(a.numpy() - b.numpy())))
+        for d in range(1, D) for s in range(S)
+        for a, b in zip(fresh._trainable[0][s], fresh._trainable[d][s]))
+    return {"single_to_pipelined_diff": float(np.max(np.abs(
+        fresh.predict(x) - expected))), "loaded_group_diff": group_diff}
+
+
 def main():
-    out, cases = sys.argv[1], sys.argv[2].split(",")
+    global DEVICES
+    DEVICES = tfmulti.simulate_devices(8)
+    out, cases, ckpt_dir = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     goldens = {}
     results = [run(case, goldens) for case in cases]
-    for r in results:
+    results.append(interchange(cases[-1], ckpt_dir))
+    print(json.dumps(results[-1]))
+    for r in results[:-1]:
         print(json.dumps({k: r[k] for k in ("case", "cuts", "loss_diff",
                                              "weight_diff", "group_diff",
                                              "bytes_per_device")}))

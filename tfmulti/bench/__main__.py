@@ -37,6 +37,7 @@ MODES = {
         "input_pipeline": {"replicas": 2, "steps": 20, "rounds": 16},
         "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
+        "pipeline_bubble": {"stages": (2, 4)},
     },
     "quick": {
         "replicas": (1, 2, 4),
@@ -60,7 +61,7 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory")
+              "accumulation_memory", "pipeline_bubble")
 
 
 def _kill(proc):
@@ -176,9 +177,20 @@ def _input_pipeline(mode, timeout):
     return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
+def _pipeline_bubble(mode, timeout):
+    # Full runs only: S stages need S cores to overlap, and the bubble is a
+    # property of the schedule, not worth a minute of every --quick run.
+    if "pipeline_bubble" not in mode:
+        return None
+    return {str(s): _run_part("pipeline_bubble", {"stages": s},
+                              timeout=timeout)[0]
+            for s in mode["pipeline_bubble"]["stages"]}
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
-           "accumulation_memory": _accumulation_memory}
+           "accumulation_memory": _accumulation_memory,
+           "pipeline_bubble": _pipeline_bubble}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -210,7 +222,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "errors": {}}
+               "pipeline_bubble": None, "errors": {}}
 
     def one(name):
         part_began = time.monotonic()

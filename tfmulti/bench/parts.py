@@ -40,11 +40,17 @@ def _accumulation_memory(**kwargs):
     return accumulation_memory.measure(**kwargs)
 
 
+def _pipeline_bubble(**kwargs):
+    from tfmulti.bench import pipeline_bubble
+    return pipeline_bubble.measure(**kwargs)
+
+
 PARTS = {
     "step_overhead": _step_overhead,
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,
+    "pipeline_bubble": _pipeline_bubble,
 }
 
 

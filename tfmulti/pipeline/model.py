@@ -304,7 +304,12 @@ class PipelinedModel:
             for action in order:
                 s, m = action.stage, action.micro_batch
                 device = self.devices[d][s]
-                with tf.device(device), tf.control_dependencies(last[s]):
+                ready = last[s] + (
+                    acts.get((s, m), []) if action.kind == "F"
+                    else list(upstream.get((s, m), [])))
+                with tf.device(device), tf.control_dependencies(ready):
+                    # Started once the action's inputs exist: the trace's
+                    # busy time excludes waiting for the previous stage.
                     t0 = tf.timestamp() if record_times else None
                     if action.kind == "F":
                         outputs = self._forward_action(
