@@ -164,3 +164,23 @@ def test_1f1b_bounds_live_micro_batches():
     assert [schedule.peak_live_micro_batches("1f1b", S, M, s)
             for s in range(S)] == [4, 3, 2, 1]
     assert pipeline.theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+def test_recipe_flags_reach_the_config():
+    from absl import flags as absl_flags
+
+    from tfmulti import flags as tfmulti_flags
+    flag_values = absl_flags.FlagValues()
+    tfmulti_flags.define_flags(flag_values)
+    flag_values(["recipe", "--pipeline_stages=4", "--micro_batches=8"])
+    config = tfmulti_flags.experiment_config(flag_values)
+    assert (config.pipeline_stages, config.micro_batches) == (4, 8)
+    flag_values(["recipe", "--pipeline_stages=1", "--micro_batches=8"])
+    with pytest.raises(ValueError, match=r"`micro_batches`=8 needs "
+                       r"`pipeline_stages` > 1"):
+        tfmulti_flags.experiment_config(flag_values)
+    flag_values(["recipe", "--pipeline_stages=2", "--micro_batches=1",
+                 "--grad_accum_steps=2"])
+    with pytest.raises(ValueError, match=r"`grad_accum_steps`=2 is not "
+                       r"supported with `pipeline_stages`=2"):
+        tfmulti_flags.experiment_config(flag_values)

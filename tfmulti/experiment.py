@@ -47,6 +47,8 @@ class ExperimentConfig:
     steps_per_loop: int = 50
     model_dir: str = "/tmp/tfmulti"
     seed: int = 0
+    pipeline_stages: int = 1
+    micro_batches: int = 1
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -56,9 +58,33 @@ class ExperimentConfig:
                 "use GPUs, not both.")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"`steps` should be positive, got {self.steps}.")
+        if self.pipeline_stages > 1:
+            _check_pipeline(self)
+        elif self.micro_batches != 1:
+            raise ValueError(
+                f"`micro_batches`={self.micro_batches} needs "
+                "`pipeline_stages` > 1; for micro-batches on one model, use "
+                "grad_accum_steps.")
         if not self.model_dir:
             raise ValueError("`model_dir` is empty; give a directory for "
                              "checkpoints, events and metrics.json.")
+
+
+def _check_pipeline(config: ExperimentConfig) -> None:
+    """Options the pipeline's own loop does not implement."""
+    unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
+                   "clip_global_norm": config.clip_global_norm is not None,
+                   "mixed_precision": config.mixed_precision is not None,
+                   "sync_batchnorm": config.sync_batchnorm,
+                   "allreduce_dtype": config.allreduce_dtype is not None,
+                   "num_gpus": bool(config.num_gpus)}
+    for name, given in unsupported.items():
+        if given:
+            raise ValueError(
+                f"`{name}`={getattr(config, name)!r} is not supported with "
+                f"`pipeline_stages`={config.pipeline_stages}; drop it (use "
+                "micro_batches for smaller pieces of the batch; the "
+                "pipeline uses every visible GPU).")
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -99,6 +125,9 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     from tfmulti import strategies
     if config.cpu_replicas:
         devices.simulate_devices(config.cpu_replicas)
+    if config.pipeline_stages > 1:
+        from tfmulti.pipeline import recipe
+        return recipe.train_and_evaluate(config)
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)

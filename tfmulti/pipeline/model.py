@@ -249,47 +249,30 @@ class PipelinedModel:
                 f"micro-batches that divides {per_group}.")
         return per_group // opts.micro_batches
 
-    def train_step(self, x, y, *, timestamps: bool = False):
+    def train_step(self, x, y):
         """One update on the global batch (x, y).
 
         Args:
           x: the model's input (a tensor, or a list in `model.inputs`
             order), global batch first.
           y: targets for `loss`.
-          timestamps: also return, per action of the schedule, the device
-            clock (seconds) when it started and ended: a dict
-            {(group, kind, stage, micro_batch): (start, end)}.
 
         Returns:
-          The loss (mean over the global batch), or (loss, timestamps).
+          The loss (mean over the global batch).
         """
         xs = [tf.convert_to_tensor(t) for t in keras.tree.flatten(x)]
         micro = self._check_batch(int(xs[0].shape[0]))
-        key = (micro, timestamps)
-        if key not in self._steps:
-            self._steps[key] = tf.function(
-                lambda xs, y: self._step(xs, y, micro=micro,
-                                         record_times=timestamps))
-        loss, times = self._steps[key](xs, tf.convert_to_tensor(y))
-        if not timestamps:
-            return loss
-        actions = self._actions()
-        times = times.numpy()
-        return loss, {a: (times[i, 0], times[i, 1])
-                      for i, a in enumerate(actions)}
+        if micro not in self._steps:
+            self._steps[micro] = tf.function(
+                lambda xs, y: self._step(xs, y, micro=micro))
+        return self._steps[micro](xs, tf.convert_to_tensor(y))
 
-    def _actions(self):
-        opts = self.options
-        order = schedule_lib.emission_order(opts.schedule, opts.num_stages,
-                                            opts.micro_batches)
-        return [(d, *a) for d in range(opts.data_parallel) for a in order]
-
-    def _step(self, xs, y, *, micro: int, record_times: bool):
+    def _step(self, xs, y, *, micro: int):
         opts = self.options
         S, M, D = opts.num_stages, opts.micro_batches, opts.data_parallel
         global_batch = micro * M * D
         order = schedule_lib.emission_order(opts.schedule, S, M)
-        group_losses, stage_grads, times = [], [[None] * S for _ in range(D)], []
+        group_losses, stage_grads = [], [[None] * S for _ in range(D)]
         new_non_trainable = [[None] * S for _ in range(D)]
         for d in range(D):
             acts = {}      # (s, m) -> list of tensors entering stage s
@@ -304,13 +287,11 @@ class PipelinedModel:
             for action in order:
                 s, m = action.stage, action.micro_batch
                 device = self.devices[d][s]
-                ready = last[s] + (
-                    acts.get((s, m), []) if action.kind == "F"
-                    else list(upstream.get((s, m), [])))
-                with tf.device(device), tf.control_dependencies(ready):
-                    # Started once the action's inputs exist: the trace's
-                    # busy time excludes waiting for the previous stage.
-                    t0 = tf.timestamp() if record_times else None
+                # The stage's previous action first: the schedule's order.
+                # The scope names every op of the action, so a profiler
+                # trace shows which stage ran what (bench/pipeline_bubble).
+                with tf.device(device), tf.control_dependencies(last[s]), \
+                        tf.name_scope(f"pipe_g{d}_{action.kind}{s}_m{m}"):
                     if action.kind == "F":
                         outputs = self._forward_action(
                             d, s, m, acts, tapes, new_non_trainable,
@@ -319,9 +300,6 @@ class PipelinedModel:
                     else:
                         outputs = self._backward_action(d, s, m, tapes,
                                                         upstream, grads)
-                    if record_times:
-                        with tf.control_dependencies(outputs):
-                            times.append(tf.stack([t0, tf.timestamp()]))
                 last[s] = [o for o in outputs if o is not None][:1]
             for s in range(S):
                 with tf.device(self.devices[d][s]):
@@ -345,10 +323,7 @@ class PipelinedModel:
             self.optimizers[d].apply_gradients(zip(
                 [g for gs in stage_grads[d] for g in gs],
                 [v for vs in self._trainable[d] for v in vs]))
-        loss = tf.add_n(group_losses)
-        if record_times:
-            return loss, tf.stack(times)
-        return loss, tf.zeros([0, 2], tf.float64)
+        return tf.add_n(group_losses)
 
     def _forward_action(self, d, s, m, acts, tapes, new_non_trainable,
                         losses, *, y, micro, global_batch):
