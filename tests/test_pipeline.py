@@ -184,3 +184,11 @@ def test_recipe_flags_reach_the_config():
     with pytest.raises(ValueError, match=r"`grad_accum_steps`=2 is not "
                        r"supported with `pipeline_stages`=2"):
         tfmulti_flags.experiment_config(flag_values)
+
+
+def test_global_clipnorm_is_refused_with_the_alternative():
+    with pytest.raises(ValueError, match=r"global_clipnorm=1.0.*clipnorm"):
+        pipeline.PipelinedModel(
+            _chain(), optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+            loss=keras.losses.MeanSquaredError(reduction=None),
+            num_stages=2, devices=["/device:CPU:0"] * 2)

@@ -135,28 +135,15 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     import keras
     import tensorflow as tf
     import tfmulti
-    from tfmulti import data
     from tfmulti import models
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
-    train_fn = data.tfds_dataset_fn(config.dataset, "train",
-                                    data_dir=config.data_dir)
-    test_fn = data.tfds_dataset_fn(config.dataset, "test",
-                                   data_dir=config.data_dir)
-    info = train_fn.builder.info
+    examples_per_update = config.global_batch_size * config.grad_accum_steps
+    info, train, test, steps_per_epoch, total_steps = input_data(
+        config, strategy, examples_per_update=examples_per_update)
     image_key, label_key = info.supervised_keys
     num_classes = info.features[label_key].num_classes
-    examples_per_update = config.global_batch_size * config.grad_accum_steps
-    steps_per_epoch = max(1, info.splits["train"].num_examples //
-                          examples_per_update)
-    total_steps = config.steps or config.epochs * steps_per_epoch
-    train = data.distribute_dataset(
-        strategy, train_fn, global_batch_size=config.global_batch_size,
-        seed=config.seed)
-    test = data.distribute_dataset(
-        strategy, test_fn, global_batch_size=config.global_batch_size,
-        training=False)
 
     with strategy.scope():
         keras.utils.set_random_seed(config.seed)
@@ -164,15 +151,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
                                   num_classes)
         if config.sync_batchnorm:
             tfmulti.keras.sync_batchnorm(model)
-        learning_rate = config.learning_rate
-        if config.lr_scaling or config.warmup_steps:
-            learning_rate = tfmulti.scaled_learning_rate(
-                config.learning_rate, base_batch_size=config.base_batch_size,
-                global_batch_size=examples_per_update if config.lr_scaling
-                else config.base_batch_size,
-                rule=config.lr_scaling or "linear",
-                warmup_steps=config.warmup_steps)
-        optimizer = keras.optimizers.Adam(learning_rate)
+        optimizer = keras.optimizers.Adam(learning_rate(
+            config, examples_per_update=examples_per_update))
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
     start = time.perf_counter()
@@ -232,6 +212,39 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         write_json_atomically(os.path.join(config.model_dir, "metrics.json"),
                               metrics)
     return metrics
+
+
+def input_data(config: ExperimentConfig, strategy, *,
+               examples_per_update: int):
+    """(TFDS info, train and test datasets, steps per epoch, total steps)."""
+    from tfmulti import data
+    train_fn = data.tfds_dataset_fn(config.dataset, "train",
+                                    data_dir=config.data_dir)
+    test_fn = data.tfds_dataset_fn(config.dataset, "test",
+                                   data_dir=config.data_dir)
+    info = train_fn.builder.info
+    steps_per_epoch = max(1, info.splits["train"].num_examples //
+                          examples_per_update)
+    total_steps = config.steps or config.epochs * steps_per_epoch
+    train = data.distribute_dataset(
+        strategy, train_fn, global_batch_size=config.global_batch_size,
+        seed=config.seed)
+    test = data.distribute_dataset(
+        strategy, test_fn, global_batch_size=config.global_batch_size,
+        training=False)
+    return info, train, test, steps_per_epoch, total_steps
+
+
+def learning_rate(config: ExperimentConfig, *, examples_per_update: int):
+    """The configured learning rate (or schedule) for this update size."""
+    from tfmulti import schedules
+    if not (config.lr_scaling or config.warmup_steps):
+        return config.learning_rate
+    return schedules.scaled_learning_rate(
+        config.learning_rate, base_batch_size=config.base_batch_size,
+        global_batch_size=examples_per_update if config.lr_scaling
+        else config.base_batch_size, rule=config.lr_scaling or "linear",
+        warmup_steps=config.warmup_steps)
 
 
 def _floats(values: dict) -> dict[str, float]:

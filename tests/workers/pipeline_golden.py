@@ -120,8 +120,12 @@ def run(case, goldens):
             for v in pipe._trainable[d][s] + pipe._non_trainable[d][s]:
                 placement_ok &= placement.same_device(
                     v.value.device, want)
-    for d, opt in enumerate(pipe.optimizers):
+    for d in range(D):
         for s in range(S):
+            opt = pipe.optimizers[d][s]
+            if (d, s) != (0, 0):  # the caller's optimizer: where it was made
+                placement_ok &= placement.same_device(
+                    opt.iterations.value.device, pipe.devices[d][s])
             for v in pipe._trainable[d][s]:
                 for slot in [opt.momentums[opt._get_variable_index(v)]]:
                     placement_ok &= placement.same_device(

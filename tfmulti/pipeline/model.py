@@ -143,6 +143,12 @@ class PipelinedModel:
                 f"`loss` reduces its values (reduction={loss.reduction!r}); "
                 "the pipeline averages per-example losses over the global "
                 "batch itself. Pass the loss with reduction=None.")
+        if getattr(optimizer, "global_clipnorm", None):
+            raise ValueError(
+                f"`optimizer` has global_clipnorm="
+                f"{optimizer.global_clipnorm}; each stage is updated on its "
+                "own device, so the norm over all stages is not available "
+                "to clip by. Use clipnorm (per variable) or clipvalue.")
         if getattr(optimizer, "built", False):
             raise ValueError(
                 "`optimizer` is already built (its slots sit with the "
@@ -178,13 +184,24 @@ class PipelinedModel:
             self._non_trainable.append([
                 placement.copy_variables(v, self.devices[d][s])
                 for s, v in enumerate(self._non_trainable[0])])
-        self.optimizers = [optimizer] + [
-            type(optimizer).from_config(optimizer.get_config())
-            for _ in range(1, opts.data_parallel)]
-        for d, opt in enumerate(self.optimizers):
-            # Keras colocates each slot with its variable
-            # (TFOptimizer.add_variable_from_reference).
-            opt.build([v for vs in self._trainable[d] for v in vs])
+        # optimizers[d][s]: one per stage and group, built and applied on
+        # the stage's device. One optimizer over all stages would run every
+        # update's math on the default device (tf.distribute's default
+        # strategy does not colocate updates), copying each gradient and
+        # variable there and back. Per-variable optimizers (SGD, Adam, ...)
+        # update identically either way; each stage's `iterations` counts
+        # the same steps.
+        self.optimizers = [[None] * opts.num_stages
+                           for _ in range(opts.data_parallel)]
+        for d in range(opts.data_parallel):
+            for s in range(opts.num_stages):
+                # Under the device: a new optimizer creates its step counter
+                # and learning rate at construction, its slots at build.
+                with tf.device(self.devices[d][s]):
+                    opt = optimizer if (d, s) == (0, 0) else type(
+                        optimizer).from_config(optimizer.get_config())
+                    opt.build(self._trainable[d][s])
+                self.optimizers[d][s] = opt
         self._all_reduce = [reduction.StageAllReduce(
             [self.devices[d][s] for d in range(opts.data_parallel)])
             for s in range(opts.num_stages)]
@@ -222,7 +239,7 @@ class PipelinedModel:
     def optimizer_bytes_per_device(self) -> dict[str, int]:
         """Bytes of optimizer slot variables on each device."""
         slots = []
-        for opt in self.optimizers:
+        for opt in [o for group in self.optimizers for o in group]:
             scalars = {id(opt.iterations)}
             lr = getattr(opt, "_learning_rate", None)
             if isinstance(lr, keras.Variable):
@@ -320,9 +337,10 @@ class PipelinedModel:
                 for v, value in zip(self._non_trainable[d][s],
                                     new_non_trainable[d][s] or []):
                     v.assign(value)
-            self.optimizers[d].apply_gradients(zip(
-                [g for gs in stage_grads[d] for g in gs],
-                [v for vs in self._trainable[d] for v in vs]))
+                if self._trainable[d][s]:
+                    with tf.device(self.devices[d][s]):
+                        self.optimizers[d][s].apply_gradients(zip(
+                            stage_grads[d][s], self._trainable[d][s]))
         return tf.add_n(group_losses)
 
     def _forward_action(self, d, s, m, acts, tapes, new_non_trainable,

@@ -26,7 +26,6 @@ def train_and_evaluate(config) -> dict[str, Any]:
     import tensorflow as tf
 
     import tfmulti
-    from tfmulti import data
     from tfmulti import experiment
     from tfmulti import models
     from tfmulti.pipeline import model as model_lib
@@ -37,21 +36,9 @@ def train_and_evaluate(config) -> dict[str, Any]:
     groups = max(1, len(devices) // stages)
     # The input pipeline feeds global batches from the first device.
     strategy = tfmulti.create_strategy("one_device", devices=devices[:1])
-    train_fn = data.tfds_dataset_fn(config.dataset, "train",
-                                    data_dir=config.data_dir)
-    test_fn = data.tfds_dataset_fn(config.dataset, "test",
-                                   data_dir=config.data_dir)
-    info = train_fn.builder.info
+    info, train, test, _, total_steps = experiment.input_data(
+        config, strategy, examples_per_update=config.global_batch_size)
     image_key, label_key = info.supervised_keys
-    steps_per_epoch = max(1, info.splits["train"].num_examples //
-                          config.global_batch_size)
-    total_steps = config.steps or config.epochs * steps_per_epoch
-    train = data.distribute_dataset(
-        strategy, train_fn, global_batch_size=config.global_batch_size,
-        seed=config.seed)
-    test = data.distribute_dataset(
-        strategy, test_fn, global_batch_size=config.global_batch_size,
-        training=False)
     keras.utils.set_random_seed(config.seed)
     # BatchNormalization would normalise each micro-batch on its own
     # (PipelinedModel refuses it), so the example CNN leaves it out then.
@@ -59,15 +46,9 @@ def train_and_evaluate(config) -> dict[str, Any]:
     model = models.small_cnn(info.features[image_key].shape,
                              info.features[label_key].num_classes,
                              batch_norm=not split_batch)
-    learning_rate = config.learning_rate
-    if config.lr_scaling or config.warmup_steps:
-        learning_rate = tfmulti.scaled_learning_rate(
-            config.learning_rate, base_batch_size=config.base_batch_size,
-            global_batch_size=config.global_batch_size if config.lr_scaling
-            else config.base_batch_size, rule=config.lr_scaling or "linear",
-            warmup_steps=config.warmup_steps)
     pipe = model_lib.PipelinedModel(
-        model, optimizer=keras.optimizers.Adam(learning_rate),
+        model, optimizer=keras.optimizers.Adam(experiment.learning_rate(
+            config, examples_per_update=config.global_batch_size)),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                         reduction=None),
         num_stages=stages, micro_batches=config.micro_batches,
