@@ -123,8 +123,9 @@ class PipelinedModel:
         Args:
           model: a built functional or Sequential Keras model (outside any
             strategy scope).
-          optimizer: a Keras optimizer, not yet built; group 0 uses it, the
-            other groups use copies from its config.
+          optimizer: a Keras optimizer, not yet built, without
+            global_clipnorm; stage 0 of group 0 uses it, every other stage
+            and group a copy from its config (on its own device).
           loss: per-example loss `loss(y_true, y_pred)`, e.g. a Keras loss
             with `reduction=None`; averaged over the global batch.
           num_stages, micro_batches, data_parallel, cuts, schedule,
