@@ -6,7 +6,8 @@ Case 2: worker i uses grad_accum_steps i + 1 and steps_per_loop i + 1.
 (A model of another shape fails earlier, at its creation: MultiWorkerMirrored
 broadcasts initial values, "Shape mismatch in the collective instance".)
 Case 3: each worker its own model_dir: a first fit saves step 2 in the
-chief's, then a fresh Trainer restores step 2 on the chief, 0 on worker 1.
+chief's, then a fresh Trainer restores step 2 on the chief, 0 on worker 1
+(caught by the checkpoint layer's position check, before the fingerprint).
 Prints `CASE k: <error>` per case; then `DONE`.
 """
 
@@ -45,7 +46,7 @@ def case(k, fn):
     try:
         fn()
         print(f"CASE {k}: no error", flush=True)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         print(f"CASE {k}: {type(e).__name__}: {e}", flush=True)
 
 

@@ -553,12 +553,11 @@ class Trainer:
             "grad_accum_steps": self._options.grad_accum_steps,
             "steps_per_loop": self._steps_per_loop,
             "steps": steps,
+            # The restored step is agreed by the checkpoint layer's own
+            # position check, at the restore.
             "model variable shapes (fingerprint)":
                 agreement.shapes_fingerprint(self.model.variables),
-            "restored step": self.step,
-        }, fixes={"restored step": (
-            "Every worker restores from `model_dir`, so it must be one "
-            "directory on storage all workers share (not a local path).")})
+        })
 
     def evaluate(self, eval_data) -> dict:
         """Loss and metrics over `eval_data`, each example counted once.
