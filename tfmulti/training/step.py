@@ -47,8 +47,9 @@ class GradientOptions:
             # inf clips every gradient to inf/inf = NaN: every update would
             # be skipped (silently, under loss scaling).
             raise ValueError(
-                f"`clip_global_norm` should be a finite positive number or "
-                f"None, got {c!r}. Pass None for no clipping.")
+                f"`clip_global_norm` should be a positive number or None, got "
+                f"{c!r}; it must be finite (clipping to inf makes every "
+                "gradient NaN). Pass None for no clipping.")
         d = self.allreduce_dtype
         if d is not None and d not in gradients_lib.ALLREDUCE_DTYPES:
             raise ValueError(
