@@ -27,7 +27,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from tfmulti import compat, peer_failure
+from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -201,7 +201,8 @@ def _make_test_function(model, force=False):
     results = _metrics_function(model)
 
     def test_function(iterator):
-        done = run(iterator, tf.constant(int(model.steps_per_execution)))
+        with watchdog.calling(strategy):
+            done = run(iterator, tf.constant(int(model.steps_per_execution)))
         if int(done) == 0:
             raise StopIteration
         return results()
