@@ -3,29 +3,44 @@
 One flag moves a job from one device to N simulated CPU replicas, N GPUs
 (MirroredStrategy) or N hosts (MultiWorkerMirroredStrategy), with the same
 results as one device.
+
+`import tfmulti` is light: each public name imports its module (and
+TensorFlow) on first use, so `tfmulti-launch` and `--help` start without
+TensorFlow. Using a name registers what its module registers (the
+`tfmulti_shapes` TFDS builder with `tfmulti.data`, the serialisable
+`ScaledLearningRate` with `tfmulti.schedules`).
 """
 
-from tfmulti import keras
-from tfmulti.cluster import ClusterConfig, cluster_config
-from tfmulti.data import distribute_dataset, tfds_dataset_fn
-from tfmulti.devices import simulate_devices
-from tfmulti.peer_failure import PeerFailureError
-from tfmulti.schedules import scaled_learning_rate
-from tfmulti.strategies import create_strategy
-from tfmulti.training import NonFiniteLossError, Trainer
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ClusterConfig",
-    "NonFiniteLossError",
-    "PeerFailureError",
-    "Trainer",
-    "cluster_config",
-    "create_strategy",
-    "distribute_dataset",
-    "keras",
-    "scaled_learning_rate",
-    "simulate_devices",
-    "tfds_dataset_fn",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "ClusterConfig": "tfmulti.cluster",
+    "NonFiniteLossError": "tfmulti.training",
+    "PeerFailureError": "tfmulti.peer_failure",
+    "Trainer": "tfmulti.training",
+    "cluster_config": "tfmulti.cluster",
+    "create_strategy": "tfmulti.strategies",
+    "distribute_dataset": "tfmulti.data",
+    "scaled_learning_rate": "tfmulti.schedules",
+    "simulate_devices": "tfmulti.devices",
+    "tfds_dataset_fn": "tfmulti.data",
+}
+
+__all__ = sorted([*_EXPORTS, "keras"])
+
+
+def __getattr__(name):
+    if name == "keras":
+        return importlib.import_module("tfmulti.keras")
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tfmulti' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})
