@@ -21,6 +21,7 @@ flags.define_flags()
 # --help lists the recipe's flags (absl shows the main module's key flags).
 absl_flags.adopt_module_key_flags(flags)
 absl_flags.declare_key_flag("verbosity")
+absl_flags.FLAGS["verbosity"].help = flags.VERBOSITY_HELP
 
 if __name__ == "__main__":
     flags.run_recipe(loop="fit")

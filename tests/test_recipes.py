@@ -190,8 +190,8 @@ def _usage_lines(out, program):
 def test_help_lists_the_recipe_flags():
     _, out = run_python(["-m", "recipes.keras_fit", "--help"], timeout=120,
                         check=False)
-    for flag in ("--strategy", "--cpu_replicas", "--model_dir", "--resume",
-                 "--verbosity"):
+    for flag in ("--strategy", "--cpu_replicas", "--model_dir",
+                 "--[no]resume", "--verbosity: -1 (default)"):
         assert flag in out, out
 
 

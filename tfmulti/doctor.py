@@ -181,7 +181,7 @@ def check_cluster(environ=None) -> Result:
             socket.getaddrinfo(host, int(port))
         except OSError as e:
             problems.append(f"{address} does not resolve ({e.strerror or e})")
-    mine = config.tf_config["cluster"].get(config.task_type, [])
+    mine = config.tf_config()["cluster"].get(config.task_type, [])
     if config.task_index < len(mine):
         host, _, port = mine[config.task_index].rpartition(":")
         if _is_local(host) and not _port_free("", int(port)):

@@ -28,6 +28,11 @@ from tfmulti import strategies
 _ALLREDUCE_DTYPES = ("float32", "float16", "bfloat16")
 _MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
 _LR_SCALING = ("none", "linear", "sqrt")
+# The recipes' reading of absl's --verbosity (absl's help says its default
+# becomes 0; a recipe keeps -1 unless the flag is given).
+VERBOSITY_HELP = ("-1 (default): warnings, progress lines and the closing "
+                  "summary; 0: also tfmulti's and TensorFlow's info logs "
+                  "(strategy, sharding, batch split); 1: debug.")
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
