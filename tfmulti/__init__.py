@@ -5,13 +5,15 @@ One flag moves a job from one device to N simulated CPU replicas, N GPUs
 results as one device.
 
 `import tfmulti` is light: each public name imports its module (and
-TensorFlow) on first use, so `tfmulti-launch` and `--help` start without
-TensorFlow. Using a name registers what its module registers (the
-`tfmulti_shapes` TFDS builder with `tfmulti.data`, the serialisable
-`ScaledLearningRate` with `tfmulti.schedules`).
+TensorFlow) on first use, so `tfmulti-launch` starts without TensorFlow.
+What tfmulti registers (the serialisable `ScaledLearningRate` for loading
+`.keras` files, the `tfmulti_shapes` TFDS builder) is registered at `import
+tfmulti` when Keras / TFDS are already loaded (it then costs nothing), else
+on first use of `tfmulti.schedules` / `tfmulti.data` (any of their names).
 """
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,11 @@ _EXPORTS = {
 }
 
 __all__ = sorted([*_EXPORTS, "keras"])
+
+if "keras" in sys.modules:
+    importlib.import_module("tfmulti.schedules")
+if "tensorflow_datasets" in sys.modules:
+    importlib.import_module("tfmulti.data")
 
 
 def __getattr__(name):
