@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmulti.training import xla as xla_lib
+
 
 def _check_num_steps(num_steps):
     if not isinstance(num_steps, tf.Tensor):
@@ -65,7 +67,9 @@ def create_train_loop(step_fn, *, strategy):
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)
-        return loop(iterator, num_steps)
+        # An op XLA cannot compile fails here, at the first run.
+        with xla_lib.named_compile_errors(getattr(step_fn, "model", None)):
+            return loop(iterator, num_steps)
 
     train.traced = loop
     return train
