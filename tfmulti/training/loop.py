@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmulti import watchdog
 from tfmulti.training import xla as xla_lib
 
 
@@ -67,9 +68,13 @@ def create_train_loop(step_fn, *, strategy):
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)
+        # Each completed loop is progress for the stuck-peer watchdog.
+        watchdog.beat(strategy)
         # An op XLA cannot compile fails here, at the first run.
         with xla_lib.named_compile_errors(getattr(step_fn, "model", None)):
-            return loop(iterator, num_steps)
+            result = loop(iterator, num_steps)
+        watchdog.beat(strategy)
+        return result
 
     train.traced = loop
     return train
