@@ -144,6 +144,65 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
             "cache": cache}
 
 
+def stage_cpu_seconds(*, data_dir: str | None = None,
+                      global_batch_size: int = 128,
+                      batches: int = 40) -> dict:
+    """CPU seconds per batch of each input stage, without training.
+
+    Each stage is iterated alone for `batches` batches (after a warm-up
+    batch), on one input pipeline, and timed with this process's CPU time
+    (all threads): reading and parsing the records with the image still
+    encoded, decoding the PNGs too, the whole tfmulti pipeline (shuffle,
+    batch, prefetch) from files, and the cached in-memory batches. The
+    differences say what each stage costs the cores the training step runs
+    on; tf.data's threads (`threads`: its default private pool is one per
+    core) take that CPU from the step.
+
+    Returns:
+      {"cpu_s_per_batch": {stage: s}, "wall_s_per_batch": {stage: s},
+      "threads", "global_batch_size", "batches"}.
+    """
+    import os
+
+    import tensorflow_datasets as tfds
+
+    data_dir = data_dir or tempfile.mkdtemp(prefix="tfmulti_bench_")
+    builder = shapes.prepare_default(data_dir)
+    context = tf.distribute.InputContext()
+
+    def records(decoders):
+        return tfds_source.tfds_dataset_fn(
+            shapes.NAME, "train", data_dir=data_dir,
+            decoders=decoders).read(context).repeat().batch(
+                global_batch_size)
+
+    images, labels = next(iter(builder.as_dataset(
+        split="train", as_supervised=True, batch_size=global_batch_size)))
+    stages = {
+        "read_parse": records({"image": tfds.decode.SkipDecoding()}),
+        "read_parse_decode": records(None),
+        "pipeline": pipeline.build_pipeline(
+            tfds_source.tfds_dataset_fn(shapes.NAME, "train",
+                                        data_dir=data_dir), context,
+            options=pipeline.PipelineOptions(
+                global_batch_size=global_batch_size)),
+        "memory": tf.data.Dataset.from_tensors(
+            (images, labels)).cache().repeat(),
+    }
+    cpu, wall = {}, {}
+    for name, dataset in stages.items():
+        iterator = iter(dataset)
+        next(iterator)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(batches):
+            next(iterator)
+        cpu[name] = (time.process_time() - start_cpu) / batches
+        wall[name] = (time.perf_counter() - start) / batches
+    return {"cpu_s_per_batch": cpu, "wall_s_per_batch": wall,
+            "threads": os.cpu_count(), "global_batch_size": global_batch_size,
+            "batches": batches}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
