@@ -237,7 +237,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "soak": None, "errors": {}}
+               "soak": None, "errors": {},
+               "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):
         part_began = time.monotonic()
