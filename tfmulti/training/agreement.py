@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import watchdog
 
 
 class ConfigMismatchError(ValueError):
@@ -68,7 +69,10 @@ def check_agreement(strategy, fields: dict[str, int], *,
                 mine, table, tf.zeros_like(table)))
         return strategy.run(replica_fn)
 
-    table = strategy.experimental_local_results(gather())[0].numpy()
+    # A peer that never arrives is a stall (`stall_timeout_seconds`), not a
+    # hang.
+    with watchdog.calling(strategy):
+        table = strategy.experimental_local_results(gather())[0].numpy()
     problems = []
     for j, name in enumerate(names):
         column = table[:, j]
