@@ -98,3 +98,50 @@ def test_distribute_dataset_bad_dataset_fn_or_cache_path(setup, tmp_path):
             r"directory \(it is a file\)")):
         tfmulti.distribute_dataset(strategy, _dataset_fn, global_batch_size=8,
                                    cache=str(tmp_path / "afile" / "cache"))
+
+
+def test_training_data_that_does_not_fit_is_named(setup):
+    """Unbatched, empty, too short, labels out of range, a shape change."""
+    strategy = setup[0]
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        trainer = tfmulti.Trainer(model, keras.optimizers.SGD(0.1),
+                                  loss=LOSS)
+    examples = _dataset_fn(None)
+    with pytest.raises(ValueError, match=(
+            r"`train_data` is not batched: its elements are \(\(4,\):float32, "
+            r"\(\):int32\).* dataset.batch\(global_batch_size")):
+        trainer.fit(examples.repeat(), steps=2, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"`train_data` is empty \(its cardinality is 0\)")):
+        trainer.fit(examples.take(0).batch(8), steps=2, verbose=0)
+    # Empty, but only the run can tell (was OutOfRangeError: 0 derived
+    # errors ignored); and finite data shorter than `steps`.
+    for data in (examples.filter(lambda x, y: y > 0).batch(
+                     8, drop_remainder=True),
+                 examples.batch(8, drop_remainder=True)):
+        with pytest.raises(ValueError, match=(
+                r"`train_data` ran out of batches in the loop starting at "
+                r"step 0: `steps`=6 needs 6 x 1 batch\(es\). Repeat it")):
+            trainer.fit(data, steps=6, verbose=0)
+    x = np.zeros((32, 4), "float32")
+    labels = tf.data.Dataset.from_tensor_slices(
+        (x, np.full(32, 7, "int32"))).repeat().batch(8, drop_remainder=True)
+    with pytest.raises(ValueError, match=(
+            r"`train_data` has a label 7, outside the model's 3 classes .* "
+            r"give the model 8 or more outputs")):
+        trainer.fit(labels, steps=2, verbose=0)
+
+    def changing():
+        for i in range(100):
+            yield np.zeros((8, 4 if i < 2 else 5), "float32"), np.zeros(
+                8, "int32")
+
+    changes = tf.data.Dataset.from_generator(changing, output_signature=(
+        tf.TensorSpec((8, None), tf.float32), tf.TensorSpec((8,), tf.int32)))
+    with pytest.raises(ValueError, match=(
+            r"`train_data` changed shape while training: its elements are "
+            r"\(\(8, None\):float32.* did not fit the model \(Matrix "
+            r"size-incompatible: In\[0\]: \[8,5\]")):
+        trainer.fit(changes, steps=4, verbose=0)
+    assert trainer.step == 0

@@ -23,6 +23,7 @@ from tfmulti.training import actions as actions_lib
 from tfmulti.training import agreement
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
+from tfmulti.training import data_checks
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
@@ -308,6 +309,10 @@ class Trainer:
     def _iterator_for(self, train_data, global_batch_size):
         if train_data is self._source:
             return self._iterator, self._source_batch
+        if not callable(train_data):  # a dataset_fn is batched for us
+            data_checks.check_batched(getattr(train_data, "element_spec",
+                                              None))
+            data_checks.check_not_empty(train_data)
         data = self._distribute(train_data, global_batch_size)
         batch = self._global_batch_size(data, global_batch_size)
         iterator = data if isinstance(
@@ -429,11 +434,16 @@ class Trainer:
         checkpointer = self._restore(iterator, fresh_iterator, batch,
                                      verbose) if self.model_dir else None
         try:
-            return self._fit(iterator, batch, steps, checkpointer,
-                             eval_data=eval_data, eval_every=eval_every,
-                             callbacks=callbacks, actions=actions,
-                             checkpoint_every=checkpoint_every,
-                             verbose=verbose)
+            # Data that runs out, or does not fit the model, is named.
+            with data_checks.translated(
+                    iterator.element_spec, step=lambda: self.step,
+                    steps=steps,
+                    batches_per_step=self._options.grad_accum_steps):
+                return self._fit(iterator, batch, steps, checkpointer,
+                                 eval_data=eval_data, eval_every=eval_every,
+                                 callbacks=callbacks, actions=actions,
+                                 checkpoint_every=checkpoint_every,
+                                 verbose=verbose)
         finally:
             if checkpointer is not None:
                 checkpointer.close()
