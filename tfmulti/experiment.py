@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import os
 import tempfile
@@ -301,8 +300,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                        if history.get(k)}
         checkpoints = model_dir
     else:
-        # `tfmulti.keras.callbacks` is also a function of that name.
-        callbacks_lib = importlib.import_module("tfmulti.keras.callbacks")
+        from tfmulti.keras import backup as backup_lib
         with strategy.scope():
             model.compile(
                 optimizer=optimizer,
@@ -326,7 +324,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         evaluation = model.evaluate(test, verbose=0, return_dict=True)
         final_train = {k: v[-1] for k, v in history.history.items()
                        if not k.startswith("val_")}
-        checkpoints = os.path.join(model_dir, callbacks_lib.CHECKPOINT_DIR)
+        checkpoints = os.path.join(model_dir, backup_lib.CHECKPOINT_DIR)
     metrics = {
         "loop": loop,
         "train": _floats(final_train),
