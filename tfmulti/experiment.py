@@ -71,7 +71,7 @@ class ExperimentConfig:
 
 
 def _check_pipeline(config: ExperimentConfig) -> None:
-    """Options the pipeline's own loop does not implement."""
+    """Options the pipelined step does not implement."""
     unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
                    "clip_global_norm": config.clip_global_norm is not None,
                    "mixed_precision": config.mixed_precision is not None,
@@ -127,7 +127,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         devices.simulate_devices(config.cpu_replicas)
     if config.pipeline_stages > 1:
         from tfmulti.pipeline import recipe
-        return recipe.train_and_evaluate(config)
+        return recipe.train_and_evaluate(config, loop=loop)
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
