@@ -249,3 +249,64 @@ def test_keras_fit_recipe_refuses_pipeline_stages_and_names_custom_loop():
     with pytest.raises(ValueError, match=r"`pipeline_stages`=2 needs the "
                        r"Trainer loop.*recipes.custom_loop"):
         recipe.train_and_evaluate(config, loop="fit")
+
+
+def _trained_pipe(optimizer):
+    pipe = pipeline.PipelinedModel(
+        _chain(), optimizer=optimizer,
+        loss=keras.losses.MeanSquaredError(reduction=None), verbose=False,
+        num_stages=2, devices=["/device:CPU:0"] * 2)
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        pipe.train_step(rng.normal(size=(4, 6)).astype("float32"),
+                        rng.normal(size=(4, 2)).astype("float32"))
+    return pipe
+
+
+def test_stage_optimizers_restore_into_the_unsplit_optimizer(tmp_path):
+    import tensorflow as tf
+    pipe = _trained_pipe(keras.optimizers.Adam(0.01))
+    view, layout = pipe.checkpoint_optimizer()
+    assert layout == "unsplit"
+    path = tf.train.Checkpoint(model=pipe.model, optimizer=view).write(
+        str(tmp_path / "ckpt"))
+    model = _chain()
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+        path).assert_existing_objects_matched()
+    assert int(optimizer.iterations) == 2
+    for v, restored in zip(pipe.model.trainable_variables,
+                           model.trainable_variables):
+        stage = next(s for s, vs in enumerate(pipe._trainable[0])
+                     if any(v is w for w in vs))
+        opt = pipe.optimizers[0][stage]
+        i, j = opt._get_variable_index(v), optimizer._get_variable_index(
+            restored)
+        for a, b in ((opt._momentums[i], optimizer._momentums[j]),
+                     (opt._velocities[i], optimizer._velocities[j])):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        assert float(np.max(np.abs(opt._velocities[i].numpy()))) > 0
+
+
+class ExtraStateSGD(keras.optimizers.SGD):
+    """Keeps one more variable than its slots: no unsplit layout."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.extra = self.add_variable((), name="extra")
+
+
+def test_unmappable_optimizer_state_is_saved_per_stage(tmp_path):
+    import tensorflow as tf
+    pipe = _trained_pipe(ExtraStateSGD(0.1, momentum=0.9))
+    view, layout = pipe.checkpoint_optimizer()
+    assert layout == "per_stage"
+    path = tf.train.Checkpoint(optimizer=view).write(str(tmp_path / "c"))
+    saved = [v.numpy() for v in view.variables]
+    for v in view.variables:
+        v.assign(v.value * 0 + 5)
+    tf.train.Checkpoint(optimizer=view).read(
+        path).assert_existing_objects_matched()
+    for a, b in zip(saved, view.variables):
+        np.testing.assert_array_equal(a, b.numpy())
