@@ -244,11 +244,10 @@ def test_keras_fit_refuses_a_pipelined_model_and_names_the_trainer():
 
 def test_keras_fit_recipe_refuses_pipeline_stages_and_names_custom_loop():
     from tfmulti import experiment
-    from tfmulti.pipeline import recipe
     config = experiment.ExperimentConfig(pipeline_stages=2, micro_batches=2)
-    with pytest.raises(ValueError, match=r"`pipeline_stages`=2 needs the "
-                       r"Trainer loop.*recipes.custom_loop"):
-        recipe.train_and_evaluate(config, loop="fit")
+    with pytest.raises(experiment.ConfigError, match=r"`pipeline_stages`=2 "
+                       r"needs the Trainer loop.*recipes.custom_loop"):
+        experiment.train_and_evaluate(config, loop="fit")
 
 
 def _trained_pipe(optimizer):

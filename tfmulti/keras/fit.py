@@ -27,7 +27,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from tfmulti import compat, peer_failure
+from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -203,17 +203,53 @@ def _make_test_function(model, force=False):
     results = _metrics_function(model)
 
     def test_function(iterator):
-        done = run(iterator, tf.constant(int(model.steps_per_execution)))
-        if int(done) == 0:
-            raise StopIteration
+        steps = int(model.steps_per_execution)
+        with watchdog.calling(strategy):
+            done = run(iterator, tf.constant(steps))
+        if int(done) < steps:
+            # The end of the data: Keras's loop stops on this flag. A
+            # StopIteration would stop it too, but Keras 3.15 then warns
+            # "Your input ran out of data; interrupting training".
+            model.stop_evaluating = True
         return results()
 
     model.test_function = test_function
     return test_function
 
 
+def _spec_batch(element_spec):
+    """One replica's batch spec: shapes and dtypes, no data."""
+    return tf.nest.map_structure(
+        lambda spec: getattr(spec, "_value_specs", (spec,))[0], element_spec)
+
+
+def _maybe_symbolic_build(model, iterator=None, data_batch=None):
+    """Keras's symbolic build from the data's spec instead of a real batch.
+
+    Keras 3.15's TF trainer reads one batch from a fresh iterator of the
+    data (all-reducing it eagerly across workers), builds from it and drops
+    the iterator, at every `fit` and `evaluate`: the dropped iterator's
+    prefetching is cancelled ("Local rendezvous is aborting with status:
+    CANCELLED"), a cache being filled is discarded ("did not fully read the
+    dataset being cached"), and the eager reduction warns that the strategy
+    is used eagerly. Only shapes and dtypes are needed, and the distributed
+    dataset has them.
+    """
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if data_batch is None and dataset is not None:
+        data_batch = _spec_batch(dataset.element_spec)
+    with model.distribute_strategy.scope():
+        model._symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
 def _fit(model, *args, **kwargs):
     bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
+    if "shuffle" not in bound.arguments and isinstance(
+            bound.arguments.get("x"), (tf.data.Dataset,
+                                       tf.distribute.DistributedDataset)):
+        # Keras ignores it for datasets, and warns when it is True (its
+        # default).
+        bound.arguments["shuffle"] = False
     callbacks = bound.arguments.get("callbacks")
     chunk = _Chunk(getattr(model, _STATE))
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -279,6 +315,8 @@ def distributed(model, *, grad_accum_steps: int = 1,
                                                   model)
     model.make_test_function = functools.partial(_make_test_function, model)
     model.fit = functools.partial(_fit, model)
+    model._maybe_symbolic_build = functools.partial(_maybe_symbolic_build,
+                                                    model)
     model.train_function = None
     model.test_function = None
     return model

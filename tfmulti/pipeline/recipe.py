@@ -4,38 +4,31 @@
 here: the example CNN is cut into S stages over the devices (D = devices // S
 data-parallel groups) and trained by `tfmulti.Trainer`, on the same TFDS
 input pipeline, with the same checkpoints in `model_dir`, evaluation every
-epoch and metrics.json as the unsplit Trainer run. Only the custom-loop
-recipe takes it: Keras `fit` cannot run a model in stages.
+epoch, config.json and metrics.json as the unsplit Trainer run. Only the
+custom-loop recipe takes it (`experiment` refuses it for Keras `fit`, which
+cannot run a model in stages).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
 
 
-def train_and_evaluate(config, *, loop: str = "trainer") -> dict[str, Any]:
+def train_and_evaluate(config, *, run) -> dict[str, Any]:
     """Trains and evaluates `config` as a pipeline; returns the metrics.
 
-    Call after `simulate_devices` (the caller's first step).
-
-    Raises:
-      ValueError: `loop` is "fit" (Keras `fit` cannot train a pipeline).
+    Call after `simulate_devices` (the caller's first step), with the run
+    directory `run` (`tfmulti.rundir.RunDir`) the caller opened.
     """
-    if loop != "trainer":
-        raise ValueError(
-            f"`pipeline_stages`={config.pipeline_stages} needs the Trainer "
-            f"loop, but this recipe runs `loop`={loop!r} (Keras fit, which "
-            "runs the whole model per replica). Run `python -m "
-            "recipes.custom_loop` with the same flags.")
     import keras
     import tensorflow as tf
 
     import tfmulti
     from tfmulti import experiment
     from tfmulti import models
+    from tfmulti import rundir
     from tfmulti.pipeline import model as model_lib
     from tfmulti.pipeline import placement
 
@@ -61,9 +54,16 @@ def train_and_evaluate(config, *, loop: str = "trainer") -> dict[str, Any]:
                                                         reduction=None),
         num_stages=stages, micro_batches=config.micro_batches,
         data_parallel=groups, devices=devices)
+    versions = {"tfmulti": tfmulti.__version__, "tensorflow": tf.__version__,
+                "keras": keras.__version__}
+    if not run.resuming:
+        experiment.write_json_atomically(
+            os.path.join(run.path, rundir.CONFIG_FILE),
+            {"config": experiment._identity(config, "trainer"),
+             "versions": versions, "started": rundir.timestamp()})
     trainer = tfmulti.Trainer(
         pipe, metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
-        steps_per_loop=config.steps_per_loop, model_dir=config.model_dir)
+        steps_per_loop=config.steps_per_loop, model_dir=run.path)
     start = time.perf_counter()
     history = trainer.fit(train, steps=total_steps, eval_data=test,
                           eval_every=steps_per_epoch,
@@ -83,11 +83,10 @@ def train_and_evaluate(config, *, loop: str = "trainer") -> dict[str, Any]:
                          pipe.parameter_bytes_per_device(),
                      "optimizer_checkpoint":
                          pipe.checkpoint_optimizer()[1]},
-        "config": dataclasses.asdict(config),
-        "versions": {"tfmulti": tfmulti.__version__,
-                     "tensorflow": tf.__version__,
-                     "keras": keras.__version__},
+        "model_dir": run.path,
+        "config": experiment._identity(config, "trainer"),
+        "versions": versions,
     }
     experiment.write_json_atomically(
-        os.path.join(config.model_dir, "metrics.json"), metrics)
+        os.path.join(run.path, rundir.METRICS_FILE), metrics)
     return metrics

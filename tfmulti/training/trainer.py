@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
-from tfmulti import compat, peer_failure, strategies
+from tfmulti import compat, peer_failure, strategies, watchdog
 from tfmulti.training import actions as actions_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
@@ -581,7 +581,8 @@ class Trainer:
         # The iterator is made here, not inside the tf.function: creating a
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
-        self._eval_fn(iter(eval_data))
+        with watchdog.calling(self.strategy):
+            self._eval_fn(iter(eval_data))
         return {m.name: float(m.result())
                 for m in (self._eval_loss, *self.metrics)}
 
