@@ -65,7 +65,8 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
         assert r["weight_diff"] < TOLERANCE, r
         assert r["loss_diff"] < TOLERANCE, r
         assert r["steps"] == 3 and r["optimizer_layout"] == "unsplit", r
-        assert np.isfinite(r["val_loss"]) and 0 <= r["train_accuracy"] <= 1
+        assert r["val_loss_diff"] < TOLERANCE, r  # evaluated stage by stage
+        assert 0 <= r["train_accuracy"] <= 1, r
     assert trainer["2:2:2"]["resume_weight_diff"] < 1e-6
     assert trainer["2:2:2"]["resume_loss_diff"] < 1e-6
     restored = tmp_path / "restored.json"
