@@ -229,6 +229,9 @@ def test_trainer_refuses_options_the_pipeline_does_not_implement():
         tfmulti.Trainer(pipe, keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match=r"`clip_global_norm`=1.0 .*clipnorm"):
         tfmulti.Trainer(pipe, clip_global_norm=1.0)
+    with pytest.raises(ValueError, match=r"`jit_compile`=True is not "
+                       r"supported for a PipelinedModel"):
+        tfmulti.Trainer(pipe, jit_compile=True)
     trainer = tfmulti.Trainer(pipe, optimizer=pipe.optimizers[0][0],
                               loss=pipe.loss)
     assert trainer.model is pipe.model

@@ -29,10 +29,12 @@ import tensorflow as tf
 
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
+from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer as trainer_lib
+from tfmulti.training import xla as xla_lib
 
 # The instance attribute holding this module's state on a model.
 _STATE = "_tfmulti_fit"
@@ -75,8 +77,11 @@ def _check_model(model):
 class _State:
     """What `distributed` keeps on a model: options and the current chunk."""
 
-    def __init__(self, options):
+    def __init__(self, options, strategy, *, jit_compile=False):
         self.options = options
+        self.jit_compile = jit_compile
+        # The kept training iterator, across `fit` calls (fit_input.py).
+        self.input = fit_input_lib.FitInput(strategy)
         # Set by `_Chunk` at each batch begin: the first step of the chunk
         # Keras is about to run and the steps in the epoch (None: unknown).
         self.begin = 0
@@ -163,7 +168,8 @@ def _make_train_function(model, force=False):
     train_step = step_lib.TrainStep(
         strategy, model, optimizer, _compute_loss_fn(model),
         options=state.options,
-        communication_options=strategies.communication_options(strategy))
+        communication_options=strategies.communication_options(strategy),
+        jit_compile=state.jit_compile)
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = _metrics_function(model)
 
@@ -251,7 +257,12 @@ def _fit(model, *args, **kwargs):
         # default).
         bound.arguments["shuffle"] = False
     callbacks = bound.arguments.get("callbacks")
-    chunk = _Chunk(getattr(model, _STATE))
+    state = getattr(model, _STATE)
+    x = bound.arguments.get("x")
+    if state.input.reusable(x,
+                            class_weight=bound.arguments.get("class_weight")):
+        bound.arguments["x"] = state.input.dataset_for(x)
+    chunk = _Chunk(state)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(chunk)
     else:
@@ -260,6 +271,16 @@ def _fit(model, *args, **kwargs):
     # Trainer.
     with peer_failure.translated(model.distribute_strategy):
         return type(model).fit(*bound.args, **bound.kwargs)
+
+
+def _maybe_symbolic_build(model, iterator=None, data_batch=None):
+    # Keras reads a batch (from a new multi-device iterator) on every `fit`
+    # and `evaluate` call, even when there is nothing left to build.
+    if not fit_input_lib.needs_symbolic_build(model):
+        return None
+    with getattr(model, _STATE).input.probing():
+        return type(model)._maybe_symbolic_build(
+            model, iterator=iterator, data_batch=data_batch)
 
 
 def batches_per_step(model) -> int:
@@ -271,7 +292,8 @@ def batches_per_step(model) -> int:
 
 def distributed(model, *, grad_accum_steps: int = 1,
                 clip_global_norm: float | None = None,
-                allreduce_dtype: str | None = None):
+                allreduce_dtype: str | None = None,
+                jit_compile: bool = False):
     """Makes `model.fit` train with tfmulti's step under the model's strategy.
 
     Call after `model.compile(...)` under `strategy.scope()`; then call
@@ -289,12 +311,23 @@ def distributed(model, *, grad_accum_steps: int = 1,
     With `grad_accum_steps` K, one step of `fit` (and of `steps_per_epoch`)
     is one update over K batches.
 
+    The train function is traced once and kept across `fit` calls. Given
+    the same INFINITE dataset object again, `fit` continues from the same
+    distributed iterator (no new one, about 0.2-1 s each under a strategy):
+    `fit(ds, epochs=1)` twice trains like `fit(ds, epochs=2)`, where plain
+    Keras would restart `ds`. Pass a new dataset object to start over;
+    finite datasets restart every epoch, as in Keras (`fit_input.py`).
+
     Args:
       model: a Keras 3 model built and compiled under a strategy's scope
         (`tfmulti.create_strategy`: one_device, mirrored or multi_worker).
       grad_accum_steps: K batches per optimizer update, one all-reduce.
       clip_global_norm: clip the REDUCED gradient to this global norm.
       allreduce_dtype: None, "float16" or "bfloat16": gradients on the wire.
+      jit_compile: compile each replica's forward and backward with XLA
+        (`tfmulti.training.xla`; the all-reduce stays outside). Independent
+        of Keras's `compile(jit_compile=...)`, which Keras turns off under a
+        strategy.
 
     Returns:
       `model`.
@@ -308,7 +341,9 @@ def distributed(model, *, grad_accum_steps: int = 1,
     options = step_lib.GradientOptions(
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype)
-    setattr(model, _STATE, _State(options))
+    setattr(model, _STATE, _State(
+        options, model.distribute_strategy,
+        jit_compile=xla_lib.check_jit_compile(jit_compile)))
     # Instance attributes shadow the class's methods for this model only;
     # `compile` resets the functions to None, so they are made lazily.
     model.make_train_function = functools.partial(_make_train_function,

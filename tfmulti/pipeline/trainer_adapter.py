@@ -60,13 +60,14 @@ class TrainerAdapter:
       strategy: the Trainer's strategy argument (must be None or the
         default strategy).
       grad_accum_steps, clip_global_norm, allreduce_dtype, mixed_precision,
-        on_nonfinite: the Trainer's options; those the pipelined step does
+        on_nonfinite, jit_compile: the Trainer's options; those the
+        pipelined step does
         not implement are refused here, by name.
     """
 
     def __init__(self, pipe, *, optimizer, loss, strategy, grad_accum_steps,
                  clip_global_norm, allreduce_dtype, mixed_precision,
-                 on_nonfinite):
+                 on_nonfinite, jit_compile):
         if optimizer is not None and optimizer is not pipe.optimizers[0][0]:
             raise ValueError(
                 "`optimizer` was given to the Trainer, but a PipelinedModel "
@@ -97,6 +98,9 @@ class TrainerAdapter:
                 "no loss scaling across stages")
         _refuse("on_nonfinite", on_nonfinite, "raise",
                 "no update is skipped across stages")
+        _refuse("jit_compile", jit_compile, False,
+                "the stages run as separate device functions, not one XLA "
+                "cluster")
         self.pipe = pipe
         self.model = pipe.model
         self.optimizer = pipe.optimizers[0][0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti import watchdog
+from tfmulti.training import xla as xla_lib
 
 
 def _check_num_steps(num_steps):
@@ -81,8 +82,10 @@ def create_train_loop(step_fn, *, strategy, metrics=()):
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)
-        # A loop waiting on a stuck peer fails after `stall_timeout_seconds`.
-        with watchdog.calling(strategy):
+        # A loop waiting on a stuck peer fails after `stall_timeout_seconds`;
+        # an op XLA cannot compile fails here, at the first run, naming it.
+        with watchdog.calling(strategy), xla_lib.named_compile_errors(
+                getattr(step_fn, "model", None)):
             return loop(iterator, num_steps)
 
     train.traced = loop

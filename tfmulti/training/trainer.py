@@ -26,6 +26,7 @@ from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
+from tfmulti.training import xla as xla_lib
 
 MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
 
@@ -153,13 +154,16 @@ class Trainer:
       on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
         checkpoint of the weights) or "skip" (skip that update on every
         replica; see `numerics.skipping_optimizer`).
+      jit_compile: compile each replica's forward and backward with XLA
+        (`tfmulti.training.xla`); an op XLA cannot compile raises
+        `XlaCompileError` naming its layer at the first step.
     """
 
     def __init__(self, model, optimizer=None, *, loss=None, strategy=None,
                  metrics=(), grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
-                 on_nonfinite="raise"):
+                 on_nonfinite="raise", jit_compile=False):
         from tfmulti.pipeline import trainer_adapter
         # A PipelinedModel brings its own step; the rest of fit is shared.
         self._pipeline = trainer_adapter.TrainerAdapter(
@@ -167,8 +171,8 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype, mixed_precision=mixed_precision,
-            on_nonfinite=on_nonfinite) if trainer_adapter.is_pipelined(
-                model) else None
+            on_nonfinite=on_nonfinite, jit_compile=jit_compile,
+        ) if trainer_adapter.is_pipelined(model) else None
         if self._pipeline is not None:
             model, optimizer = self._pipeline.model, self._pipeline.optimizer
             loss = self._pipeline.pipe.loss
@@ -194,6 +198,7 @@ class Trainer:
         self.model_dir = model_dir
         self.mixed_precision = self._check_precision(mixed_precision)
         self._on_nonfinite = numerics.check_on_nonfinite(on_nonfinite)
+        self._jit_compile = xla_lib.check_jit_compile(jit_compile)
         with self.strategy.scope():
             optimizer = numerics.skipping_optimizer(optimizer, on_nonfinite)
             if (self.mixed_precision == "mixed_float16" and not isinstance(
@@ -266,7 +271,7 @@ class Trainer:
                 self._compute_loss_fn(global_batch_size),
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
-                    self.strategy))
+                    self.strategy), jit_compile=self._jit_compile)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy, metrics=self.metrics)
         return self._loops[global_batch_size]
