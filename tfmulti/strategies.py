@@ -14,8 +14,10 @@ import keras
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import parameter_server
 
-STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
+STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker",
+                  "parameter_server")
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 MULTI_WORKER_ALL_REDUCE = ("auto", "ring", "nccl")
 
@@ -93,15 +95,18 @@ def _check_choice(arg: str, value, choices) -> str:
 def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                     all_reduce: str = "auto", pack_bytes: int | None = None,
                     timeout_seconds: float | None = None,
-                    cluster: cluster_lib.ClusterConfig | None = None
-                    ) -> tf.distribute.Strategy:
+                    cluster: cluster_lib.ClusterConfig | None = None,
+                    variable_partitioner=None) -> tf.distribute.Strategy:
     """Creates the distribution strategy named `name`.
 
     Args:
       name: "one_device", "mirrored" (N devices, one process), "multi_worker"
-        (N processes, TensorFlow's gRPC collectives) or "auto": multi_worker
-        when the cluster has more than one task, mirrored when more than one
-        local device, else one_device.
+        (N processes, TensorFlow's gRPC collectives), "parameter_server"
+        (asynchronous: a chief, workers and `ps` tasks; on a worker or ps
+        task this call runs its server and never returns, see
+        `tfmulti.parameter_server`) or "auto": parameter_server when the
+        cluster has `ps` tasks, multi_worker when it has more than one
+        task, mirrored when more than one local device, else one_device.
       devices: device names for one_device / mirrored; default: the first
         `num_gpus` GPUs, else every GPU, else every logical CPU.
       num_gpus: how many local GPUs to use; more than present is an error.
@@ -116,6 +121,9 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         for none.
       cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
         SLURM or Kubernetes from the environment).
+      variable_partitioner: parameter_server only: a
+        `tf.distribute.experimental.partitioners` partitioner that shards
+        large variables (embeddings) over the parameter servers.
 
     Returns:
       A `tf.distribute.Strategy`. For multi_worker it is a subclass of
@@ -138,6 +146,21 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                          f"{timeout_seconds!r}.")
     if cluster is None:
         cluster = cluster_lib.cluster_config()
+    if variable_partitioner is not None and name != "parameter_server":
+        raise ValueError(
+            f"`variable_partitioner` is {variable_partitioner!r} but the "
+            f"strategy is {name!r}; only 'parameter_server' shards "
+            "variables. Remove it or use strategy 'parameter_server'.")
+    if name == "auto" and cluster.num_ps:
+        name = "parameter_server"
+    if name == "parameter_server":
+        return parameter_server.create(
+            cluster, variable_partitioner=variable_partitioner)
+    if cluster.num_ps:
+        raise ValueError(
+            f"`cluster` has parameter servers ({list(cluster.cluster['ps'])}) "
+            f"but the strategy is {name!r}, which does not use them. Use "
+            "strategy 'parameter_server', or remove `cluster.ps`.")
     if name == "auto":
         if cluster.num_workers > 1:
             name = "multi_worker"

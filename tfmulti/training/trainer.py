@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
-from tfmulti import peer_failure, strategies
+from tfmulti import parameter_server, peer_failure, strategies
+from tfmulti.training import async_trainer
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -192,6 +193,9 @@ class Trainer:
         # The last `train_data` given to fit, its iterator and global batch:
         # the same object given again continues where it stopped.
         self._source = self._iterator = self._source_batch = None
+        # Under ParameterServerStrategy fit and evaluate are asynchronous.
+        self._async = async_trainer.AsyncTraining(self) if (
+            parameter_server.is_parameter_server(self.strategy)) else None
 
     @property
     def step(self) -> int:
@@ -365,6 +369,12 @@ class Trainer:
         if checkpoint_every is not None:
             _positive_int("checkpoint_every", checkpoint_every,
                           "Or pass None to save at evaluations and the end.")
+        if self._async is not None:
+            return self._async.fit(
+                train_data, steps=steps, global_batch_size=global_batch_size,
+                eval_data=eval_data, eval_every=eval_every,
+                checkpoint_every=checkpoint_every, callbacks=callbacks,
+                verbose=verbose)
         fresh_iterator = train_data is not self._source
         iterator, batch = self._iterator_for(train_data, global_batch_size)
         train = self._train_loop(batch)
@@ -470,6 +480,8 @@ class Trainer:
         Returns:
           {"loss": weighted mean loss, metric name: value, ...}.
         """
+        if self._async is not None:
+            return self._async.evaluate(eval_data)
         if isinstance(eval_data, tf.data.Dataset):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
