@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "workers", "ps_job.py")
 # Minutes on a loaded 2-core machine: four TensorFlow processes start.
 TIMEOUT = 420
+STEPS = 500
 
 
 def _cluster(**roles):
@@ -162,16 +163,19 @@ class PsCluster:
 @pytest.mark.slow
 def test_async_training_survives_a_killed_worker_and_matches_sync(
         tmp_path, shapes_data_dir):
-    """300 steps of 32 examples, asynchronous on 2 workers (one SIGKILLed
+    """500 steps of 64 examples, asynchronous on 2 workers (one SIGKILLed
     mid-run) vs synchronous on one device: test accuracy within 2 points,
     every closure applied exactly once, retried closures counted."""
     sync_out, async_out = tmp_path / "sync.json", tmp_path / "async.json"
+    env = dict(os.environ, PS_JOB_STEPS=str(STEPS), PS_JOB_BATCH="64",
+               PS_JOB_LOOP="50")
     golden = subprocess.Popen(
         [sys.executable, JOB, "sync", str(sync_out), shapes_data_dir],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        start_new_session=True, env=env)
     try:
-        with PsCluster(["async", str(async_out), shapes_data_dir]) as job:
+        with PsCluster(["async", str(async_out), shapes_data_dir],
+                       env=env) as job:
             job.wait_for(r"^step \d+/")
             # The chief schedules the next loop right after printing: both
             # workers are inside closures when worker 1 dies.
@@ -185,7 +189,7 @@ def test_async_training_survives_a_killed_worker_and_matches_sync(
             os.killpg(golden.pid, signal.SIGKILL)
         golden.wait()
     sync, run = (json.loads(p.read_text()) for p in (sync_out, async_out))
-    assert run["step"] == sync["step"] == 300
+    assert run["step"] == sync["step"] == STEPS
     # No closure's update applied twice, none lost.
     assert set(run["applied"]) == {1}
     retried = sum(a > 1 for a in run["attempts"])
@@ -223,3 +227,99 @@ def test_killed_parameter_server_is_a_clear_error_and_restart_resumes(
     assert result["step"] == 60
     # The restarted job scheduled only the remaining closures.
     assert sum(result["applied"]) == 60 - resumed_at
+
+
+# -- the launcher (a TensorFlow-free stand-in task) ---------------------------
+
+
+def _launch(args, mode, tmp_path):
+    child = [sys.executable, os.path.join(HERE, "workers",
+                                          "ps_launch_child.py"),
+             mode, str(tmp_path)]
+    return subprocess.run(
+        [sys.executable, "-m", "tfmulti.launch", *args, "--", *child],
+        capture_output=True, text=True, timeout=120)
+
+
+def _assert_none_running(tmp_path):
+    import psutil
+    pids = [int((tmp_path / n).read_text()) for n in os.listdir(tmp_path)
+            if n.startswith("pid-")]
+    alive = [p for p in pids if psutil.pid_exists(p) and
+             psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"tasks left running: {alive}"
+    return pids
+
+
+def test_launch_ps_runs_every_role_and_survives_a_dead_worker(tmp_path):
+    result = _launch(["--workers", "2", "--ps", "1"], "ok", tmp_path)
+    assert result.returncode == 0, result.stderr
+    for line in ("[chief] chief0 attempt 0", "[w0] worker0 attempt 0",
+                 "[w1] worker1 attempt 0", "[ps0] ps0 attempt 0"):
+        assert line in result.stdout
+    assert "restarting" not in result.stderr
+    assert len(_assert_none_running(tmp_path)) == 4
+
+
+def test_launch_ps_restarts_the_group_when_a_ps_dies(tmp_path):
+    result = _launch(["--workers", "2", "--ps", "1", "--max_restarts", "1"],
+                     "psfail", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ps 0 exited with code 3; restarting" in result.stderr
+    assert "[chief] chief0 attempt 1" in result.stdout
+    _assert_none_running(tmp_path)
+
+
+def test_launch_rejects_negative_ps():
+    from tfmulti import launch
+    with pytest.raises(ValueError, match=r"`--ps` should be an integer >= 0"):
+        launch.LaunchOptions(workers=2, ps=-1)
+
+
+# -- cluster templates --------------------------------------------------------
+
+TEMPLATES = os.path.join(os.path.dirname(HERE), "recipes", "cluster")
+
+
+def test_slurm_parameter_server_roles():
+    env = {"SLURM_NTASKS": "5", "SLURM_JOB_NODELIST": "n[1-5]",
+           "TFMULTI_NUM_PS": "2"}
+    configs = [cl.cluster_config(environ=dict(env, SLURM_PROCID=str(r)))
+               for r in range(5)]
+    assert [(c.task_type, c.task_index) for c in configs] == [
+        ("chief", 0), ("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
+    assert dict(configs[0].cluster) == {
+        "chief": ("n1:23456",), "ps": ("n2:23456", "n3:23456"),
+        "worker": ("n4:23456", "n5:23456")}
+    with pytest.raises(ValueError, match=r"`TFMULTI_NUM_PS` is 4 but the "
+                       r"job has 5 task\(s\)"):
+        cl.cluster_config(environ=dict(env, SLURM_PROCID="0",
+                                       TFMULTI_NUM_PS="4"))
+
+
+def test_slurm_ps_template_sets_the_roles_and_stops_the_servers():
+    text = open(os.path.join(TEMPLATES, "slurm-ps.sbatch")).read()
+    assert "TFMULTI_NUM_PS" in text
+    assert "--strategy=parameter_server" in text
+    assert "metrics.json" in text  # the chief's last write ends the step
+    subprocess.run(["bash", "-n", os.path.join(TEMPLATES, "slurm-ps.sbatch")],
+                   check=True)
+
+
+def test_tfjob_ps_template_gives_a_valid_parameter_server_cluster():
+    import yaml
+    with open(os.path.join(TEMPLATES, "tfjob-ps.yaml")) as f:
+        job = yaml.safe_load(f)
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert set(specs) == {"Chief", "Worker", "PS"}
+    for spec in specs.values():
+        container = spec["template"]["spec"]["containers"][0]
+        assert "--strategy=parameter_server" in container["args"]
+    # The TF_CONFIG the operator writes: lower-case roles, one address each.
+    name = job["metadata"]["name"]
+    cluster = {role.lower(): [f"{name}-{role.lower()}-{i}.default.svc:2222"
+                              for i in range(spec["replicas"])]
+               for role, spec in specs.items()}
+    config = cl.cluster_config({"cluster": cluster,
+                                "task": {"type": "ps", "index": 1}})
+    assert (config.num_ps, config.is_chief) == (2, False)

@@ -339,7 +339,9 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     (compressed lists such as `node[01-04,07]` are expanded) and, when there
     are more tasks than nodes, SLURM_TASKS_PER_NODE (e.g. `2(x4)`). Tasks are
     placed on nodes in block order, as `srun` does by default; the k-th task
-    on a node listens on `port + k`.
+    on a node listens on `port + k`. With TFMULTI_NUM_PS=P > 0 the job is a
+    parameter-server job: task 0 is the `chief`, tasks 1..P the `ps`, the
+    rest `worker`s.
 
     Args:
       environ: the environment to read (defaults to `os.environ`).
@@ -385,8 +387,31 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     if not 0 <= rank < ntasks:
         raise ValueError(f"`SLURM_PROCID` is {rank} but `SLURM_NTASKS` is "
                          f"{ntasks}; it must be in [0, {ntasks - 1}].")
+    if environ.get("TFMULTI_NUM_PS", "0").strip() not in ("", "0"):
+        return _parameter_server_roles(
+            addresses, rank, _int_var(environ, "TFMULTI_NUM_PS"))
     return {"cluster": {"worker": addresses},
             "task": {"type": "worker", "index": rank}}
+
+
+def _parameter_server_roles(addresses, rank, num_ps):
+    """Task 0 is the chief, the next `num_ps` tasks the parameter servers,
+    the rest workers: the TF_CONFIG of a parameter-server job."""
+    if len(addresses) < num_ps + 2:
+        raise ValueError(
+            f"`TFMULTI_NUM_PS` is {num_ps} but the job has {len(addresses)} "
+            f"task(s); a parameter-server job needs {num_ps + 2}: a chief, "
+            f"{num_ps} ps and at least one worker. Start more tasks or "
+            "lower TFMULTI_NUM_PS.")
+    cluster = {"chief": addresses[:1], "ps": addresses[1:1 + num_ps],
+               "worker": addresses[1 + num_ps:]}
+    if rank == 0:
+        task = {"type": "chief", "index": 0}
+    elif rank <= num_ps:
+        task = {"type": "ps", "index": rank - 1}
+    else:
+        task = {"type": "worker", "index": rank - 1 - num_ps}
+    return {"cluster": cluster, "task": task}
 
 
 def kubernetes_tf_config(environ: Mapping[str, str] | None = None, *,

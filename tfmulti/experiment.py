@@ -108,6 +108,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     import tfmulti
     from tfmulti import data
     from tfmulti import models
+    from tfmulti import parameter_server
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
@@ -122,12 +123,26 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     steps_per_epoch = max(1, info.splits["train"].num_examples //
                           examples_per_update)
     total_steps = config.steps or config.epochs * steps_per_epoch
-    train = data.distribute_dataset(
-        strategy, train_fn, global_batch_size=config.global_batch_size,
-        seed=config.seed)
-    test = data.distribute_dataset(
-        strategy, test_fn, global_batch_size=config.global_batch_size,
-        training=False)
+    if parameter_server.is_parameter_server(strategy):
+        if loop != "trainer":
+            raise ValueError(
+                "Keras `model.fit` does not run under ParameterServerStrategy "
+                "(keras-team/keras#18624). Use recipes.custom_loop, whose "
+                "Trainer trains asynchronously under it.")
+        # Asynchronous mode: every worker reads its own shard of train_fn;
+        # the chief evaluates on batches of its own.
+        train = train_fn
+        test = data.build_pipeline(test_fn, tf.distribute.InputContext(),
+                                   data.PipelineOptions(
+                                       global_batch_size=config.
+                                       global_batch_size, training=False))
+    else:
+        train = data.distribute_dataset(
+            strategy, train_fn, global_batch_size=config.global_batch_size,
+            seed=config.seed)
+        test = data.distribute_dataset(
+            strategy, test_fn, global_batch_size=config.global_batch_size,
+            training=False)
 
     with strategy.scope():
         keras.utils.set_random_seed(config.seed)

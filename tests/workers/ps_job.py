@@ -21,7 +21,8 @@ MODE, OUT, DATA_DIR = sys.argv[1:4]
 MODEL_DIR = sys.argv[4] if len(sys.argv) > 4 else None
 STEPS = int(os.environ.get("PS_JOB_STEPS", "300"))
 LOOP = int(os.environ.get("PS_JOB_LOOP", "50"))
-BATCH = 32
+BATCH = int(os.environ.get("PS_JOB_BATCH", "32"))
+LR = float(os.environ.get("PS_JOB_LR", "1e-3"))
 
 strategy = tfmulti.create_strategy(
     "parameter_server" if MODE == "async" else "one_device")
@@ -44,7 +45,7 @@ test = pipeline.build_pipeline(
 with strategy.scope():
     keras.utils.set_random_seed(0)
     model = models.small_cnn()
-    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer = keras.optimizers.Adam(LR)
 trainer = tfmulti.Trainer(
     model, optimizer, strategy=strategy, metrics=["sparse_categorical_accuracy"],
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
