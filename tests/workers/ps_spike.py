@@ -183,6 +183,8 @@ def partitioned_embedding():
             return loss
         return sharded.run(replica, args=(next(iterator),))
 
+    if os.environ.get("PS_SPIKE_SHARD_GRADIENTS"):
+        step = shard_gradient_step(sharded, emb_model, emb_optimizer)
     before = table.numpy().copy()
     remote = [sharded_coordinator.schedule(step, args=(it,))
               for _ in range(3)]
@@ -194,6 +196,37 @@ def partitioned_embedding():
     print("checkpoint", path)
 
 
+def shard_gradient_step(sharded, emb_model, emb_optimizer):
+    """The workaround tried: differentiate w.r.t. the shards (tf.Variables),
+    concatenate them to the table's shape, apply with the Keras optimizer."""
+    keras_vars = emb_model.trainable_variables
+    sources = [getattr(v.value, "variables", [v.value]) for v in keras_vars]
+
+    @tf.function
+    def step(iterator):
+        def replica(batch):
+            x, y = batch
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(y, emb_model(x)))
+            flat = tape.gradient(loss, [s for group in sources
+                                        for s in group])
+            grads, i = [], 0
+            for group in sources:
+                parts = [tf.convert_to_tensor(g) for g in
+                         flat[i:i + len(group)]]
+                grads.append(parts[0] if len(parts) == 1 else
+                             tf.concat(parts, axis=0))
+                i += len(group)
+            emb_optimizer.apply(grads, keras_vars)
+            return loss
+        return sharded.run(replica, args=(next(iterator),))
+    return step
+
+
+if os.environ.get("PS_SPIKE_SHARD_GRADIENTS"):
+    part("variable_partitioner: gradients w.r.t. the shards",
+         partitioned_embedding)
+    sys.exit(0)
 part("variables of a Keras 3 model and optimizer", variables_on_ps)
 part("Keras 3 small_cnn step scheduled on the coordinator",
      keras_model_scheduled)

@@ -133,6 +133,7 @@ class AsyncTraining:
         self._step_fn = None
         self._eval_fn = None
         self._source = self._iterator = None
+        self._last_step = None
 
     # -- data ---------------------------------------------------------------
 
@@ -233,25 +234,40 @@ class AsyncTraining:
 
     # -- fit ----------------------------------------------------------------
 
-    def _ps_error(self, error, step, checkpointer):
-        latest = (tf.train.latest_checkpoint(self._trainer.model_dir)
-                  if checkpointer is not None else None)
+    def _ps_error(self, error, step):
+        model_dir = self._trainer.model_dir
+        latest = tf.train.latest_checkpoint(model_dir) if model_dir else None
         resume = (f"the chief resumes from its latest checkpoint {latest!r}"
                   if latest else "there is no checkpoint to resume from "
                   "(pass `model_dir` and `checkpoint_every`)")
         return ParameterServerError(
             f"A parameter server of {list(self._cluster.cluster['ps'])} died "
             "or became unreachable (the coordinator reported "
-            f"{type(error).__name__}) after step {step}. The variables it "
+            f"{type(error).__name__}) "
+            f"{'before training began' if step is None else f'after step {step}'}. "
+            "The variables it "
             "held are lost, so this job cannot continue: restart every role "
             f"(tfmulti-launch --ps N --max_restarts R does), and {resume}. "
             f"TensorFlow said: {str(error).strip()[:400]}",
             step=step, checkpoint=latest)
 
-    def fit(self, train_data, *, steps, global_batch_size, eval_data,
-            eval_every, checkpoint_every, callbacks, verbose, seed=0):
+    def fit(self, train_data, **kwargs):
         """See `Trainer.fit`; `steps_per_loop` closures are scheduled, then
-        joined, per loop (losses fetched, logs, evaluation, checkpoint)."""
+        joined, per loop (losses fetched, logs, evaluation, checkpoint).
+
+        Raises:
+          ParameterServerError: a parameter server died or is unreachable.
+        """
+        self._last_step = None
+        try:
+            return self._fit(train_data, **kwargs)
+        except _PS_ERRORS as e:
+            # Any read or write of a variable reports it, wherever in the
+            # loop it happens first.
+            raise self._ps_error(e, self._last_step) from e
+
+    def _fit(self, train_data, *, steps, global_batch_size, eval_data,
+             eval_every, checkpoint_every, callbacks, verbose, seed=0):
         trainer = self._trainer
         iterator = self._per_worker_iterator(train_data, global_batch_size,
                                              seed)
@@ -275,7 +291,7 @@ class AsyncTraining:
             "step", "loss", "step_loss", "steps_per_sec", "examples_per_sec",
             "retried_closures", *[m.name for m in trainer.metrics])}
         callback_list.on_train_begin()
-        step = last_saved = trainer.step
+        step = last_saved = self._last_step = trainer.step
         while step < steps and not trainer.model.stop_training:
             start = step
             n = min(trainer._steps_per_loop, steps - start)
@@ -285,15 +301,12 @@ class AsyncTraining:
                 metric.reset_state()
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
-            try:
-                remote = [self.coordinator.schedule(step_fn, args=(
-                    iterator, tf.constant(start + i, tf.int32)))
-                          for i in range(n)]
-                self.coordinator.join()
-                losses = np.array([float(r.fetch()) for r in remote])
-                step = trainer.step
-            except _PS_ERRORS as e:
-                raise self._ps_error(e, start, checkpointer) from e
+            remote = [self.coordinator.schedule(step_fn, args=(
+                iterator, tf.constant(start + i, tf.int32)))
+                      for i in range(n)]
+            self.coordinator.join()
+            losses = np.array([float(r.fetch()) for r in remote])
+            step = self._last_step = trainer.step
             elapsed = time.perf_counter() - began
             skipped = numerics.check_losses(
                 losses, first_step=start, on_nonfinite=numerics.mode_for(
@@ -374,6 +387,6 @@ class AsyncTraining:
         try:
             self._eval_fn(eval_data)
         except _PS_ERRORS as e:
-            raise self._ps_error(e, trainer.step, None) from e
+            raise self._ps_error(e, self._last_step) from e
         return {m.name: float(m.result())
                 for m in (trainer._eval_loss, *trainer.metrics)}
