@@ -56,7 +56,9 @@ def create(cluster: cluster_lib.ClusterConfig, *,
     Args:
       cluster: a `ClusterConfig` with a chief, workers and parameter servers.
       variable_partitioner: a `tf.distribute.experimental.partitioners`
-        partitioner for large variables (embeddings), or None.
+        partitioner, or None. It shards plain `tf.Variable`s; Keras 3 layers
+        get a sharded variable that Keras 3 cannot train (the Trainer
+        refuses it; BUILD_NOTES, issue 16).
 
     Returns:
       A `tf.distribute.ParameterServerStrategy` with a `ClusterCoordinator`

@@ -107,8 +107,8 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                     timeout_seconds: float | None = None,
                     stall_timeout_seconds: float | None = (
                         DEFAULT_STALL_TIMEOUT_SECONDS),
-                    cluster: cluster_lib.ClusterConfig | None = None,
-                    variable_partitioner=None) -> tf.distribute.Strategy:
+                    cluster: cluster_lib.ClusterConfig | None = None
+                    ) -> tf.distribute.Strategy:
     """Creates the distribution strategy named `name`.
 
     Args:
@@ -139,9 +139,6 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         Default 600; None or `math.inf` for none.
       cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
         SLURM or Kubernetes from the environment).
-      variable_partitioner: parameter_server only: a
-        `tf.distribute.experimental.partitioners` partitioner that shards
-        large variables (embeddings) over the parameter servers.
 
     Returns:
       A `tf.distribute.Strategy`. For multi_worker it is a subclass of
@@ -167,16 +164,10 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                              f"`math.inf` or None, got {value!r}.")
     if cluster is None:
         cluster = cluster_lib.cluster_config()
-    if variable_partitioner is not None and name != "parameter_server":
-        raise ValueError(
-            f"`variable_partitioner` is {variable_partitioner!r} but the "
-            f"strategy is {name!r}; only 'parameter_server' shards "
-            "variables. Remove it or use strategy 'parameter_server'.")
     if name == "auto" and cluster.num_ps:
         name = "parameter_server"
     if name == "parameter_server":
-        return parameter_server.create(
-            cluster, variable_partitioner=variable_partitioner)
+        return parameter_server.create(cluster)
     if cluster.num_ps:
         raise ValueError(
             f"`cluster` has parameter servers ({list(cluster.cluster['ps'])}) "

@@ -4,7 +4,8 @@ Usage: ps_job.py MODE OUT_JSON DATA_DIR [MODEL_DIR]
 MODE=sync: one device, the Trainer's synchronous step (the golden run).
 MODE=async: TF_CONFIG from the environment; the worker and ps tasks serve
 (create_strategy never returns there), the chief trains the small CNN with
-the Trainer's asynchronous mode and checkpoints into MODEL_DIR.
+the Trainer's asynchronous mode and checkpoints into MODEL_DIR; without
+MODEL_DIR it then tries a Trainer on a partitioned Keras Embedding.
 Both train STEPS steps of BATCH examples (the same examples seen) and write
 {"accuracy", "step", "history", "attempts", "applied"} to OUT_JSON.
 """
@@ -62,6 +63,22 @@ if MODE == "async":
     counts = trainer._async.ledger.counts()
     result.update(attempts=counts["attempts"].tolist(),
                   applied=counts["applied"].tolist())
+if MODE == "async" and not MODEL_DIR:
+    # A Keras 3 layer under a variable_partitioner: the Trainer refuses it.
+    from tfmulti import cluster, parameter_server  # noqa: E402
+    sharded = parameter_server.create(
+        cluster.cluster_config(), variable_partitioner=(
+            tf.distribute.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=1024, max_shards=2)))
+    with sharded.scope():
+        table = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(1000, 8)])
+        table_optimizer = keras.optimizers.Adam()
+    try:
+        tfmulti.Trainer(table, table_optimizer, strategy=sharded,
+                        loss=lambda y, p: p)
+    except ValueError as e:
+        result["sharded_error"] = str(e)
 with open(OUT, "w") as f:
     json.dump(result, f)
 print("done", json.dumps({k: result[k] for k in ("accuracy", "step")}),

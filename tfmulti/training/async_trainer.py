@@ -29,6 +29,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes, parameter_server
@@ -109,6 +110,21 @@ class ClosureLedger:
                 "applied": self.applied.numpy()}
 
 
+def _reject_sharded(model):
+    for variable in model.variables:
+        if isinstance(getattr(variable, "value", None),
+                      sharded_variable.ShardedVariable):
+            raise ValueError(
+                f"The model's variable {variable.path!r} is sharded over the "
+                "parameter servers (the strategy has a `variable_"
+                "partitioner`), and Keras 3 cannot train a sharded variable: "
+                "its gradient fails ('ShardedVariable' object has no "
+                "attribute 'handle') and its optimizer cannot update it "
+                "('ShardedVariable doesn't support being used as a "
+                "reference'). Create the strategy without "
+                "`variable_partitioner`.")
+
+
 class AsyncTraining:
     """The asynchronous mode of a `tfmulti.Trainer` under
     ParameterServerStrategy (the Trainer creates it; use the Trainer).
@@ -125,6 +141,7 @@ class AsyncTraining:
                 "but under ParameterServerStrategy every step is applied on "
                 "its own, asynchronously. Use grad_accum_steps=1 and a larger "
                 "`global_batch_size`.")
+        _reject_sharded(trainer.model)
         self._trainer = trainer
         self.strategy = trainer.strategy
         self.coordinator = parameter_server.coordinator(self.strategy)
@@ -365,10 +382,11 @@ class AsyncTraining:
 
         Args:
           eval_data: a `tf.data.Dataset` of batches `(x, y, sample_weight)`
-            (weight 0 marks padding) or `(x, y)`; or an unbatched
-            `dataset_fn` with a `.batch_size` attribute is not accepted:
-            batch it (e.g. `tfmulti.data.build_pipeline` with
-            `training=False`).
+            (weight 0 marks padding; `tfmulti.data.build_pipeline` with
+            `training=False` gives them) or `(x, y)`.
+
+        Returns:
+          {"loss": weighted mean loss, metric name: value, ...}.
         """
         if not isinstance(eval_data, tf.data.Dataset):
             raise ValueError(
