@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+import subproc
 from tfmulti import cluster as cl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -144,12 +145,7 @@ class PsCluster:
 
     def close(self):
         for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+            subproc._kill(proc)
 
     def __enter__(self):
         return self
@@ -183,9 +179,7 @@ def test_async_training_survives_a_killed_worker_and_matches_sync(
         out, _ = golden.communicate(timeout=TIMEOUT)
         assert golden.returncode == 0, out[-3000:]
     finally:
-        if golden.poll() is None:
-            os.killpg(golden.pid, signal.SIGKILL)
-        golden.wait()
+        subproc._kill(golden)
     sync, run = (json.loads(p.read_text()) for p in (sync_out, async_out))
     assert run["step"] == sync["step"] == STEPS
     # No closure's update applied twice, none lost.

@@ -172,19 +172,8 @@ def partitioned_embedding():
     it = iter(sharded_coordinator.create_per_worker_dataset(tf.function(
         lambda: sharded.distribute_datasets_from_function(ids))))
 
-    @tf.function
-    def step(iterator):
-        def replica(batch):
-            x, y = batch
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(loss_fn(y, emb_model(x)))
-            grads = tape.gradient(loss, emb_model.trainable_variables)
-            emb_optimizer.apply(grads, emb_model.trainable_variables)
-            return loss
-        return sharded.run(replica, args=(next(iterator),))
-
-    if os.environ.get("PS_SPIKE_SHARD_GRADIENTS"):
-        step = shard_gradient_step(sharded, emb_model, emb_optimizer)
+    step = embedding_step(sharded, emb_model, emb_optimizer, shard_gradients=(
+        bool(os.environ.get("PS_SPIKE_SHARD_GRADIENTS"))))
     before = table.numpy().copy()
     remote = [sharded_coordinator.schedule(step, args=(it,))
               for _ in range(3)]
@@ -196,11 +185,24 @@ def partitioned_embedding():
     print("checkpoint", path)
 
 
-def shard_gradient_step(sharded, emb_model, emb_optimizer):
-    """The workaround tried: differentiate w.r.t. the shards (tf.Variables),
+def embedding_step(sharded, emb_model, emb_optimizer, *, shard_gradients):
+    """A train step of the embedding model. With `shard_gradients`, the
+    workaround tried: differentiate w.r.t. the shards (tf.Variables),
     concatenate them to the table's shape, apply with the Keras optimizer."""
     keras_vars = emb_model.trainable_variables
     sources = [getattr(v.value, "variables", [v.value]) for v in keras_vars]
+
+    def gradients(tape, loss):
+        if not shard_gradients:
+            return tape.gradient(loss, keras_vars)
+        flat = tape.gradient(loss, [s for group in sources for s in group])
+        grads, i = [], 0
+        for group in sources:
+            parts = [tf.convert_to_tensor(g) for g in flat[i:i + len(group)]]
+            grads.append(parts[0] if len(parts) == 1 else
+                         tf.concat(parts, axis=0))
+            i += len(group)
+        return grads
 
     @tf.function
     def step(iterator):
@@ -208,16 +210,7 @@ def shard_gradient_step(sharded, emb_model, emb_optimizer):
             x, y = batch
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(loss_fn(y, emb_model(x)))
-            flat = tape.gradient(loss, [s for group in sources
-                                        for s in group])
-            grads, i = [], 0
-            for group in sources:
-                parts = [tf.convert_to_tensor(g) for g in
-                         flat[i:i + len(group)]]
-                grads.append(parts[0] if len(parts) == 1 else
-                             tf.concat(parts, axis=0))
-                i += len(group)
-            emb_optimizer.apply(grads, keras_vars)
+            emb_optimizer.apply(gradients(tape, loss), keras_vars)
             return loss
         return sharded.run(replica, args=(next(iterator),))
     return step

@@ -36,6 +36,7 @@ from tfmulti import exit_codes, parameter_server
 from tfmulti.data import pipeline as pipeline_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
+from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
@@ -311,9 +312,9 @@ class AsyncTraining:
         step = last_saved = self._last_step = trainer.step
         while step < steps and not trainer.model.stop_training:
             start = step
-            n = min(trainer._steps_per_loop, steps - start)
-            if eval_every is not None and eval_data is not None:
-                n = min(n, eval_every - start % eval_every)
+            n = loop_lib.loop_length(
+                start, steps=steps, steps_per_loop=trainer._steps_per_loop,
+                eval_every=eval_every if eval_data is not None else None)
             for metric in trainer.metrics:
                 metric.reset_state()
             callback_list.on_train_batch_begin(start)

@@ -397,9 +397,9 @@ class Trainer:
         step = last_saved = self.step
         while step < steps and not self.model.stop_training:
             start = step
-            n = min(self._steps_per_loop, steps - start)
-            if eval_every is not None and eval_data is not None:
-                n = min(n, eval_every - start % eval_every)
+            n = loop_lib.loop_length(
+                start, steps=steps, steps_per_loop=self._steps_per_loop,
+                eval_every=eval_every if eval_data is not None else None)
             for metric in self.metrics:
                 metric.reset_state()
             callback_list.on_train_batch_begin(start)
