@@ -197,6 +197,8 @@ class AsyncTraining:
 
     # -- the step -------------------------------------------------------------
 
+    # Plain TensorFlow ops: AutoGraph has nothing to convert.
+    @tf.autograph.experimental.do_not_convert
     def _gradients(self, batch, compute_loss):
         trainer = self._trainer
         variables = trainer.model.trainable_variables
@@ -209,6 +211,8 @@ class AsyncTraining:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
         return loss, grads
 
+    # Plain TensorFlow ops: AutoGraph has nothing to convert.
+    @tf.autograph.experimental.do_not_convert
     def _apply(self, grads):
         trainer = self._trainer
         options = trainer._options
