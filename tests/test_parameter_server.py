@@ -184,14 +184,15 @@ def test_async_training_survives_a_killed_worker_and_matches_sync(
     assert run["step"] == sync["step"] == STEPS
     # No closure's update applied twice, none lost.
     assert set(run["applied"]) == {1}
-    retried = sum(a > 1 for a in run["attempts"])
+    retried = run["history"]["retried_closures"][-1]
     assert retried >= 1, "the kill hit no closure in flight"
-    assert run["history"]["retried_closures"][-1] == retried
+    # Closures re-run on the ps: a subset of the coordinator's retries (a
+    # first attempt that never started reached no ps).
+    assert sum(a > 1 for a in run["attempts"]) <= retried
     print(f"sync accuracy {sync['accuracy']:.4f}, async {run['accuracy']:.4f}"
           f", retried closures {retried}, optimizer iterations "
           f"{run['iterations']} for {run['step']} applied steps")
     assert abs(run["accuracy"] - sync["accuracy"]) <= 0.02
-    assert "is sharded over the parameter servers" in run["sharded_error"]
     assert sync["accuracy"] > 0.5  # it learned: the comparison means something
 
 
@@ -217,7 +218,7 @@ def test_killed_parameter_server_is_a_clear_error_and_restart_resumes(
     assert re.search(r"A parameter server of \['127\.0\.0\.1:\d+'\] died",
                      message)
     assert "resumes from its latest checkpoint" in message
-    with PsCluster(args, env=env) as job:
+    with PsCluster(args, env=dict(env, PS_JOB_CHECK_SHARDED="1")) as job:
         restored = job.wait_for(r"^restored ")
         assert job.wait_chief() == 0, "".join(job.output[-40:])
     resumed_at = int(re.search(r"at step (\d+)", restored).group(1))
@@ -226,6 +227,7 @@ def test_killed_parameter_server_is_a_clear_error_and_restart_resumes(
     assert result["step"] == 60
     # The restarted job scheduled only the remaining closures.
     assert sum(result["applied"]) == 60 - resumed_at
+    assert "is sharded over the parameter servers" in result["sharded_error"]
 
 
 # -- the launcher (a TensorFlow-free stand-in task) ---------------------------

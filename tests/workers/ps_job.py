@@ -4,8 +4,9 @@ Usage: ps_job.py MODE OUT_JSON DATA_DIR [MODEL_DIR]
 MODE=sync: one device, the Trainer's synchronous step (the golden run).
 MODE=async: TF_CONFIG from the environment; the worker and ps tasks serve
 (create_strategy never returns there), the chief trains the small CNN with
-the Trainer's asynchronous mode and checkpoints into MODEL_DIR; without
-MODEL_DIR it then tries a Trainer on a partitioned Keras Embedding.
+the Trainer's asynchronous mode and checkpoints into MODEL_DIR; with
+PS_JOB_CHECK_SHARDED=1 it then tries a Trainer on a partitioned Keras
+Embedding (a second strategy: every worker must be alive).
 Both train STEPS steps of BATCH examples (the same examples seen) and write
 {"accuracy", "step", "history", "attempts", "applied"} to OUT_JSON.
 """
@@ -63,7 +64,7 @@ if MODE == "async":
     counts = trainer._async.ledger.counts()
     result.update(attempts=counts["attempts"].tolist(),
                   applied=counts["applied"].tolist())
-if MODE == "async" and not MODEL_DIR:
+if os.environ.get("PS_JOB_CHECK_SHARDED"):
     # A Keras 3 layer under a variable_partitioner: the Trainer refuses it.
     from tfmulti import cluster, parameter_server  # noqa: E402
     sharded = parameter_server.create(

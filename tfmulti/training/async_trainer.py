@@ -13,8 +13,8 @@ heard back, and the retry would apply a second update. Every closure here
 has an id and a `ClosureLedger` on the parameter servers counts, per id, the
 attempts that ran and the updates applied; the update runs in one
 conditional ON the parameter server, after all gradients arrived, and only
-if that id has applied none yet. So a retried closure is counted and never
-applied twice.
+if that id has applied none yet. So a retried closure is never applied twice;
+`RetryCounter` counts the coordinator's retries.
 
 Keras 3's `model.fit` does not run under this strategy
 (keras-team/keras#18624; BUILD_NOTES, issue 16); Keras 3 models, optimizers
@@ -126,6 +126,36 @@ def _reject_sharded(model):
                 "`variable_partitioner`.")
 
 
+class RetryCounter:
+    """Counts the closures the coordinator put back in its queue to run
+    again after their worker failed.
+
+    TensorFlow has no public count of these; this wraps the `put_back` of
+    the coordinator's private closure queue (TF 2.21,
+    `cluster_coordinator._CoordinatedClosureQueue`). A retry whose first
+    attempt never started on its worker reaches no parameter server, so the
+    `ClosureLedger` alone would miss it. Without that private method the
+    count is None.
+    """
+
+    def __init__(self, coordinator):
+        self.count = 0
+        queue = getattr(getattr(coordinator, "_cluster", None),
+                        "closure_queue", None)
+        put_back = getattr(queue, "put_back", None)
+        self.available = callable(put_back)
+        if self.available and not getattr(put_back, "_tfmulti_counted",
+                                          False):
+            def counted(closure):
+                self.count += 1
+                return put_back(closure)
+            counted._tfmulti_counted = True
+            queue.put_back = counted
+
+    def value(self):
+        return self.count if self.available else None
+
+
 class AsyncTraining:
     """The asynchronous mode of a `tfmulti.Trainer` under
     ParameterServerStrategy (the Trainer creates it; use the Trainer).
@@ -146,6 +176,7 @@ class AsyncTraining:
         self._trainer = trainer
         self.strategy = trainer.strategy
         self.coordinator = parameter_server.coordinator(self.strategy)
+        self.retries = RetryCounter(self.coordinator)
         self._cluster = cluster_lib.of_strategy(self.strategy)
         self.ledger = None
         self._step_fn = None
@@ -311,7 +342,8 @@ class AsyncTraining:
         trainer.model.stop_training = False
         history = {key: [] for key in (
             "step", "loss", "step_loss", "steps_per_sec", "examples_per_sec",
-            "retried_closures", *[m.name for m in trainer.metrics])}
+            "retried_closures", "reattempted_on_ps",
+            *[m.name for m in trainer.metrics])}
         callback_list.on_train_begin()
         step = last_saved = self._last_step = trainer.step
         while step < steps and not trainer.model.stop_training:
@@ -340,7 +372,8 @@ class AsyncTraining:
                      "examples_per_sec": n * global_batch_size / elapsed}
             history["step"].append(step)
             history["step_loss"].extend(losses.tolist())
-            history["retried_closures"].append(
+            history["retried_closures"].append(self.retries.value())
+            history["reattempted_on_ps"].append(
                 int(np.sum(counts["attempts"] > 1)))
             for key, value in {**logs, **speed}.items():
                 history[key].append(value)
