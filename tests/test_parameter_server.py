@@ -176,6 +176,7 @@ def test_async_training_survives_a_killed_worker_and_matches_sync(
             time.sleep(0.5)
             job.kill("worker1")
             assert job.wait_chief() == 0, "".join(job.output[-40:])
+        print("".join(line for line in job.output if line.startswith("step")))
         out, _ = golden.communicate(timeout=TIMEOUT)
         assert golden.returncode == 0, out[-3000:]
     finally:
