@@ -201,18 +201,23 @@ class AsyncTraining:
                 "Pass `global_batch_size`: under ParameterServerStrategy it "
                 "is the batch of ONE step, which one worker computes.")
         per_replica = global_batch_size // self.strategy.num_replicas_in_sync
-        num_workers = len(self._cluster.cluster["worker"])
 
         def worker_dataset(input_context):
             del input_context  # identical on every worker under this strategy
-            # Known only when the function runs on a worker: each worker
-            # reads its own shard, so no two workers train on one example.
-            index = (tf.distribute.coordinator
-                     .experimental_get_current_worker_index())
+            # Every worker reads the WHOLE dataset in its own order (the
+            # worker index, known only when this runs on a worker, folded
+            # into the seed), as TensorFlow's parameter-server tutorial
+            # does. A static shard per worker would lose a dead worker's
+            # shard for the rest of the run (the survivors repeat theirs)
+            # and over-weight a fast worker's shard.
+            index = tf.cast(tf.distribute.coordinator
+                            .experimental_get_current_worker_index(),
+                            tf.int64)
             dataset = dataset_fn(tf.distribute.InputContext())
-            dataset = dataset.shard(num_workers, index)
-            dataset = dataset.shuffle(pipeline_lib.DEFAULT_SHUFFLE_BUFFER,
-                                      seed=seed, reshuffle_each_iteration=True)
+            dataset = dataset.shuffle(
+                pipeline_lib.DEFAULT_SHUFFLE_BUFFER,
+                seed=index * 1_000_003 + (seed or 0),
+                reshuffle_each_iteration=True)
             return dataset.repeat().batch(
                 per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
