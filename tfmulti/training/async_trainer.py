@@ -325,7 +325,14 @@ class AsyncTraining:
             raise self._ps_error(e, self._last_step) from e
 
     def _fit(self, train_data, *, steps, global_batch_size, eval_data,
-             eval_every, checkpoint_every, callbacks, verbose, seed=0):
+             eval_every, checkpoint_every, callbacks, actions, verbose,
+             seed=0):
+        if actions:
+            raise ValueError(
+                f"`actions` is {list(actions)!r} but under ParameterServer"
+                "Strategy the Trainer's asynchronous loop runs no controller "
+                "actions. Use Keras callbacks (their batch hooks run once per "
+                "loop), or pass actions=().")
         trainer = self._trainer
         iterator = self._per_worker_iterator(train_data, global_batch_size,
                                              seed)
@@ -338,6 +345,20 @@ class AsyncTraining:
             path = checkpointer.restore_latest()
             if path and verbose:
                 trainer._print(f"restored {path} at step {trainer.step}")
+        try:
+            return self._loop(iterator, step_fn, checkpointer, steps=steps,
+                              global_batch_size=global_batch_size,
+                              eval_data=eval_data, eval_every=eval_every,
+                              checkpoint_every=checkpoint_every,
+                              callbacks=callbacks, verbose=verbose)
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()  # the chief's model_dir lock
+
+    def _loop(self, iterator, step_fn, checkpointer, *, steps,
+              global_batch_size, eval_data, eval_every, checkpoint_every,
+              callbacks, verbose):
+        trainer = self._trainer
         train_writer = summaries.ScalarWriter(trainer.model_dir,
                                               self.strategy, "train")
         eval_writer = summaries.ScalarWriter(trainer.model_dir,
