@@ -181,7 +181,7 @@ def test_async_training_survives_worker_and_ps_kills_and_matches_sync(
     model_dir, out = tmp_path / "model", tmp_path / "async.json"
     sync_out = tmp_path / "sync.json"
     env = dict(os.environ, PS_JOB_STEPS=str(STEPS), PS_JOB_BATCH="64",
-               PS_JOB_LOOP="50", PS_JOB_LR="2e-3")
+               PS_JOB_LOOP="50")
     args = ["async", str(out), shapes_data_dir, str(model_dir)]
     golden = subprocess.Popen(
         [sys.executable, JOB, "sync", str(sync_out), shapes_data_dir],

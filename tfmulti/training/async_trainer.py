@@ -202,23 +202,29 @@ class AsyncTraining:
                 "is the batch of ONE step, which one worker computes.")
         per_replica = global_batch_size // self.strategy.num_replicas_in_sync
 
+        num_workers = len(self._cluster.cluster["worker"])
+
         def worker_dataset(input_context):
             del input_context  # identical on every worker under this strategy
-            # Every worker reads the WHOLE dataset in its own order (the
-            # worker index, known only when this runs on a worker, folded
-            # into the seed), as TensorFlow's parameter-server tutorial
-            # does. A static shard per worker would lose a dead worker's
-            # shard for the rest of the run (the survivors repeat theirs)
-            # and over-weight a fast worker's shard.
+            # Every worker reads the WHOLE dataset: one shuffled stream
+            # (same seed), each worker starting at its own offset in it
+            # (index * size / workers; the index is known only when this
+            # runs on a worker). The workers start on disjoint parts and a
+            # survivor goes on into a dead worker's part; a static shard
+            # per worker lost a dead worker's shard for the rest of the
+            # run and over-weighted a fast worker's. (A per-worker seed is
+            # not possible here: a tensor seed fails in `shuffle` once a
+            # global seed is set.)
             index = tf.cast(tf.distribute.coordinator
                             .experimental_get_current_worker_index(),
                             tf.int64)
             dataset = dataset_fn(tf.distribute.InputContext())
-            dataset = dataset.shuffle(
-                pipeline_lib.DEFAULT_SHUFFLE_BUFFER,
-                seed=index * 1_000_003 + (seed or 0),
-                reshuffle_each_iteration=True)
-            return dataset.repeat().batch(
+            size = dataset.cardinality()
+            dataset = dataset.shuffle(pipeline_lib.DEFAULT_SHUFFLE_BUFFER,
+                                      seed=seed,
+                                      reshuffle_each_iteration=True).repeat()
+            offset = tf.where(size > 0, size * index // num_workers, 0)
+            return dataset.skip(offset).batch(
                 per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
         @tf.function
