@@ -178,6 +178,12 @@ class AsyncTraining:
         self.coordinator = parameter_server.coordinator(self.strategy)
         self.retries = RetryCounter(self.coordinator)
         self._cluster = cluster_lib.of_strategy(self.strategy)
+        with self.strategy.scope():
+            # Updates applied, counted inside the guarded update on the ps
+            # (the Trainer's own count is a Python int, set from this).
+            self.steps_applied = tf.Variable(0, dtype=tf.int64,
+                                             trainable=False,
+                                             name="async_steps_applied")
         self.ledger = None
         self._step_fn = None
         self._eval_fn = None
@@ -268,7 +274,7 @@ class AsyncTraining:
             grads, _ = gradients_lib.clip_by_global_norm(
                 grads, options.clip_global_norm * scale)
         trainer.optimizer.apply(grads, trainer.model.trainable_variables)
-        trainer._step.assign_add(1)
+        self.steps_applied.assign_add(1)
 
     def _build_step(self, steps, global_batch_size):
         if self.ledger is not None and self.ledger.size == steps:
@@ -297,6 +303,10 @@ class AsyncTraining:
         return step_fn
 
     # -- fit ----------------------------------------------------------------
+
+    def _sync_step(self) -> int:
+        self._trainer._steps_done = int(self.steps_applied.numpy())
+        return self._trainer.step
 
     def _ps_error(self, error, step):
         model_dir = self._trainer.model_dir
@@ -347,10 +357,14 @@ class AsyncTraining:
         if trainer.model_dir:
             checkpointer = checkpoints_lib.Checkpointer(
                 trainer.model_dir, self.strategy, model=trainer.model,
-                optimizer=trainer.optimizer, step=trainer._step)
-            path = checkpointer.restore_latest()
-            if path and verbose:
-                trainer._print(f"restored {path} at step {trainer.step}")
+                optimizer=trainer.optimizer)
+            position = checkpointer.restore()
+            if position is not None:
+                self.steps_applied.assign(position.step)
+                self._sync_step()
+                if verbose:
+                    trainer._print(f"restored {checkpointer.restored_path} "
+                                   f"at step {trainer.step}")
         try:
             return self._loop(iterator, step_fn, checkpointer, steps=steps,
                               global_batch_size=global_batch_size,
@@ -392,7 +406,7 @@ class AsyncTraining:
                       for i in range(n)]
             self.coordinator.join()
             losses = np.array([float(r.fetch()) for r in remote])
-            step = self._last_step = trainer.step
+            step = self._last_step = self._sync_step()
             elapsed = time.perf_counter() - began
             skipped = numerics.check_losses(
                 losses, first_step=start, on_nonfinite=numerics.mode_for(
