@@ -18,6 +18,7 @@ import tensorflow as tf
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
 from tfmulti import compat, parameter_server, peer_failure, strategies
+from tfmulti import watchdog
 from tfmulti.training import actions as actions_lib
 from tfmulti.training import async_trainer
 from tfmulti.training import checkpoints as checkpoints_lib
@@ -27,6 +28,7 @@ from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
+from tfmulti.training import xla as xla_lib
 
 MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
 
@@ -151,13 +153,16 @@ class Trainer:
       on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
         checkpoint of the weights) or "skip" (skip that update on every
         replica; see `numerics.skipping_optimizer`).
+      jit_compile: compile each replica's forward and backward with XLA
+        (`tfmulti.training.xla`); an op XLA cannot compile raises
+        `XlaCompileError` naming its layer at the first step.
     """
 
     def __init__(self, model, optimizer, *, loss, strategy=None, metrics=(),
                  grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
-                 on_nonfinite="raise"):
+                 on_nonfinite="raise", jit_compile=False):
         if not callable(loss):
             raise ValueError(
                 f"`loss` should be a callable loss(y_true, y_pred) returning "
@@ -176,6 +181,7 @@ class Trainer:
         self.model_dir = model_dir
         self.mixed_precision = self._check_precision(mixed_precision)
         self._on_nonfinite = numerics.check_on_nonfinite(on_nonfinite)
+        self._jit_compile = xla_lib.check_jit_compile(jit_compile)
         with self.strategy.scope():
             optimizer = numerics.skipping_optimizer(optimizer, on_nonfinite)
             if (self.mixed_precision == "mixed_float16" and not isinstance(
@@ -248,7 +254,7 @@ class Trainer:
                 self._compute_loss_fn(global_batch_size),
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
-                    self.strategy))
+                    self.strategy), jit_compile=self._jit_compile)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy, metrics=self.metrics)
         return self._loops[global_batch_size]
@@ -567,7 +573,8 @@ class Trainer:
         # The iterator is made here, not inside the tf.function: creating a
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
-        self._eval_fn(iter(eval_data))
+        with watchdog.calling(self.strategy):
+            self._eval_fn(iter(eval_data))
         return {m.name: float(m.result())
                 for m in (self._eval_loss, *self.metrics)}
 
