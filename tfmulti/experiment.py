@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import os
 import tempfile
@@ -104,7 +103,7 @@ class ExperimentConfig:
 
 
 def _check_pipeline(config: ExperimentConfig) -> None:
-    """Options the pipeline's own loop does not implement."""
+    """Options the pipelined step does not implement."""
     unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
                    "clip_global_norm": config.clip_global_norm is not None,
                    "mixed_precision": config.mixed_precision is not None,
@@ -220,6 +219,13 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     if loop not in LOOPS:
         raise ConfigError(f"`loop` is {loop!r}; valid values are "
                           f"{list(LOOPS)}.")
+    if config.pipeline_stages > 1 and loop != "trainer":
+        raise ConfigError(
+            f"`pipeline_stages`={config.pipeline_stages} needs the Trainer "
+            f"loop, but this recipe runs `loop`={loop!r} (Keras fit, which "
+            "runs the whole model per replica). Run `python -m "
+            "recipes.custom_loop` with the same flags.",
+            flag="pipeline_stages")
     run = _open_run_dir(config, loop)
     model_dir = run.path
     _check_dataset(config.dataset)
@@ -231,7 +237,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         devices.simulate_devices(config.cpu_replicas)
     if config.pipeline_stages > 1:
         from tfmulti.pipeline import recipe
-        return recipe.train_and_evaluate(config)
+        return recipe.train_and_evaluate(config, run=run)
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
@@ -307,8 +313,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                        if history.get(k)}
         checkpoints = model_dir
     else:
-        # `tfmulti.keras.callbacks` is also a function of that name.
-        callbacks_lib = importlib.import_module("tfmulti.keras.callbacks")
+        from tfmulti.keras import backup as backup_lib
         with strategy.scope():
             model.compile(
                 optimizer=optimizer,
@@ -332,7 +337,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         evaluation = model.evaluate(test, verbose=0, return_dict=True)
         final_train = {k: v[-1] for k, v in history.history.items()
                        if not k.startswith("val_")}
-        checkpoints = os.path.join(model_dir, callbacks_lib.CHECKPOINT_DIR)
+        checkpoints = os.path.join(model_dir, backup_lib.CHECKPOINT_DIR)
     metrics = {
         "loop": loop,
         "train": _floats(final_train),

@@ -47,6 +47,8 @@ def _check_accumulation(optimizer):
 
 
 def _check_model(model):
+    from tfmulti.pipeline import trainer_adapter
+    trainer_adapter.refuse_keras_fit(model)
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` should be a keras.Model, got "
                          f"{type(model).__name__}.")
