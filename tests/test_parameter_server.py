@@ -213,6 +213,10 @@ def test_async_training_survives_worker_and_ps_kills_and_matches_sync(
     # each once, though the kill hit one in flight and it was retried.
     assert set(run["applied"][resumed_at:]) == {1}
     assert sum(run["applied"]) == STEPS - resumed_at
+    # The steps counted inside the updates: each loop of 50 closures made
+    # exactly 50 (a closure applied twice shows as 151 after 100).
+    assert run["history"]["step"] == list(range(resumed_at + 50, STEPS + 1,
+                                                 50))
     retried = run["history"]["retried_closures"][-1]
     assert retried >= 1, "the kill hit no closure in flight"
     # Closures re-run on the ps: a subset of the coordinator's retries (a

@@ -92,18 +92,29 @@ class ClosureLedger:
     def guarded(self, closure_id, apply_fn, inputs):
         """Runs `apply_fn(inputs)` unless closure `closure_id` applied one.
 
-        Placed on the parameter server that holds the ledger, so the whole
-        conditional starts only once every input (the gradients) has
-        arrived there and does not depend on the worker staying alive.
+        Placed on the parameter server that holds the ledger; the
+        predicate waits for every input (the gradients) to arrive there, so
+        no update starts before all have and none depends on the worker
+        staying alive.
         """
         with tf.device(self.applied.device):
+            # Every input on this device BEFORE the predicate is read.
+            # TensorFlow lowers tf.cond to Switch/Merge, whose branch ops
+            # each start as soon as their own input arrives: measured, a
+            # worker SIGKILLed mid-send left some updates (and the step
+            # count) applied and the ledger at 0, so the retry applied
+            # them again (one closure counted twice, 151 steps after 150).
+            arrived = [tf.identity(t) for t in
+                       tf.nest.flatten(inputs, expand_composites=True)]
+            with tf.control_dependencies(arrived):
+                fresh = tf.equal(self.applied[closure_id], 0)
+
             def apply():
                 with tf.control_dependencies([apply_fn(inputs)]):
                     self.applied.scatter_nd_add([[closure_id]], [1])
                 return tf.constant(True)
 
-            return tf.cond(tf.equal(self.applied[closure_id], 0), apply,
-                           lambda: tf.constant(False))
+            return tf.cond(fresh, apply, lambda: tf.constant(False))
 
     def counts(self) -> dict:
         """{"attempts": array, "applied": array}, read from the ps."""
