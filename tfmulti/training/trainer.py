@@ -17,10 +17,12 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
-from tfmulti import compat, peer_failure, strategies, watchdog
+from tfmulti import compat, parameter_server, peer_failure, strategies
+from tfmulti import watchdog
 from tfmulti.data import finiteness
 from tfmulti.training import actions as actions_lib
 from tfmulti.training import agreement
+from tfmulti.training import async_trainer
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
 from tfmulti.training import data_checks
@@ -230,6 +232,9 @@ class Trainer:
         # The last `train_data` given to fit, its iterator and global batch:
         # the same object given again continues where it stopped.
         self._source = self._iterator = self._source_batch = None
+        # Under ParameterServerStrategy fit and evaluate are asynchronous.
+        self._async = async_trainer.AsyncTraining(self) if (
+            parameter_server.is_parameter_server(self.strategy)) else None
 
     @property
     def step(self) -> int:
@@ -454,6 +459,12 @@ class Trainer:
                 _positive_int(name, value, hint)
         if eval_data is not None:
             _check_eval_data(eval_data)
+        if self._async is not None:
+            return self._async.fit(
+                train_data, steps=steps, global_batch_size=global_batch_size,
+                eval_data=eval_data, eval_every=eval_every,
+                checkpoint_every=checkpoint_every, callbacks=callbacks,
+                actions=actions, verbose=verbose)
         fresh_iterator = train_data is not self._source
         iterator, batch = self._iterator_for(train_data, global_batch_size)
         checkpointer = self._restore(iterator, fresh_iterator, batch,
@@ -614,6 +625,8 @@ class Trainer:
           {"loss": weighted mean loss, metric name: value, ...}.
         """
         _check_eval_data(eval_data)
+        if self._async is not None:
+            return self._async.evaluate(eval_data)
         if isinstance(eval_data, tf.data.Dataset):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
