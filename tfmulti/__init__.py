@@ -13,13 +13,18 @@ from tfmulti.peer_failure import PeerFailureError
 from tfmulti.schedules import scaled_learning_rate
 from tfmulti.strategies import create_strategy
 from tfmulti.training import NonFiniteLossError, Trainer
+from tfmulti.training.local_sgd import LocalSGD, OuterSGD
+from tfmulti.training.powersgd import PowerSGD
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterConfig",
+    "LocalSGD",
     "NonFiniteLossError",
+    "OuterSGD",
     "PeerFailureError",
+    "PowerSGD",
     "Trainer",
     "cluster_config",
     "create_strategy",

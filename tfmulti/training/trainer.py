@@ -19,7 +19,7 @@ from tfmulti import peer_failure, strategies
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import numerics, preemption
+from tfmulti.training import numerics, preemption, reduction
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
 
@@ -145,13 +145,17 @@ class Trainer:
       on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
         checkpoint of the weights) or "skip" (skip that update on every
         replica; see `numerics.skipping_optimizer`).
+      sync: None (synchronous) or `tfmulti.LocalSGD(every=H, ...)`: workers
+        synchronise every H updates (checkpoints only at those points).
+      compression: None or `tfmulti.PowerSGD(rank=r)` for the gradient
+        all-reduce.
     """
 
     def __init__(self, model, optimizer, *, loss, strategy=None, metrics=(),
                  grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
-                 on_nonfinite="raise"):
+                 on_nonfinite="raise", sync=None, compression=None):
         if not callable(loss):
             raise ValueError(
                 f"`loss` should be a callable loss(y_true, y_pred) returning "
@@ -160,6 +164,8 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype)
+        reduction.check_options(sync, compression,
+                                allreduce_dtype=allreduce_dtype)
         self._steps_per_loop = _positive_int(
             "steps_per_loop", steps_per_loop,
             "It is how many steps run inside one tf.function call.")
@@ -187,6 +193,12 @@ class Trainer:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         gradients_lib.disable_optimizer_reduction(optimizer)
         self.optimizer = optimizer
+        self._reducer = reduction.make_reducer(
+            self.strategy, model.trainable_variables, sync=sync,
+            compression=compression,
+            communication_options=strategies.communication_options(
+                self.strategy),
+            allreduce_dtype=allreduce_dtype)
         self._loops = {}
         self._eval_fn = None
         # The last `train_data` given to fit, its iterator and global batch:
@@ -197,6 +209,12 @@ class Trainer:
     def step(self) -> int:
         """Optimizer updates made so far (restored with a checkpoint)."""
         return int(self._step.numpy())
+
+    @property
+    def communication(self) -> dict:
+        """All-reduce calls and payload bytes this worker issued so far, in
+        total and between workers (`communication.TRAFFIC_KEYS`)."""
+        return self._reducer.traffic.result()
 
     def _check_precision(self, mixed_precision):
         model_policy = self.model.dtype_policy.name
@@ -239,7 +257,7 @@ class Trainer:
                 self._compute_loss_fn(global_batch_size),
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
-                    self.strategy))
+                    self.strategy), reducer=self._reducer)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy)
         return self._loops[global_batch_size]
@@ -301,7 +319,7 @@ class Trainer:
     def _checkpointer(self, iterator):
         """A Checkpointer, and whether it saves the iterator's position."""
         trackables = dict(model=self.model, optimizer=self.optimizer,
-                          step=self._step)
+                          step=self._step, **self._reducer.trackables())
         if isinstance(iterator, tf.__internal__.tracking.Trackable):
             trackables["iterator"] = iterator
         return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
@@ -390,6 +408,11 @@ class Trainer:
             n = min(self._steps_per_loop, steps - start)
             if eval_every is not None and eval_data is not None:
                 n = min(n, eval_every - start % eval_every)
+            boundary = self._reducer.steps_to_boundary(start)
+            if checkpointer is not None and boundary is not None:
+                # Workers agree only at synchronisation points: end loops
+                # there so that checkpoints can be saved.
+                n = min(n, boundary)
             for metric in self.metrics:
                 metric.reset_state()
             callback_list.on_train_batch_begin(start)
@@ -435,7 +458,8 @@ class Trainer:
                 if verbose:
                     self._print(f"eval at step {step} " + " ".join(
                         f"- {k} {v:.4f}" for k, v in results.items()))
-            if checkpointer is not None and (at_end or (
+            if checkpointer is not None and self._reducer.at_sync_point(
+                    step) and (at_end or (
                     checkpoint_every is not None and
                     step - last_saved >= checkpoint_every) or (
                         checkpoint_every is None and evaluate_now)):
