@@ -19,6 +19,7 @@ from typing import Any
 
 DEFAULT_DATASET = "tfmulti_shapes"
 LOOPS = ("fit", "trainer")
+COMPRESSIONS = ("none", "powersgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,11 @@ class ExperimentConfig:
     steps_per_loop: int = 50
     model_dir: str = "/tmp/tfmulti"
     seed: int = 0
+    sync_every: int = 1
+    outer_learning_rate: float = 1.0
+    outer_momentum: float = 0.0
+    compression: str = "none"
+    powersgd_rank: int = 4
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -56,9 +62,37 @@ class ExperimentConfig:
                 "use GPUs, not both.")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"`steps` should be positive, got {self.steps}.")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"`compression` is {self.compression!r}; valid "
+                             f"values are {list(COMPRESSIONS)}.")
+        # Built here so that bad values fail before any TensorFlow work.
+        self.communication_options()
         if not self.model_dir:
             raise ValueError("`model_dir` is empty; give a directory for "
                              "checkpoints, events and metrics.json.")
+
+
+    def communication_options(self):
+        """(sync, compression) for the Trainer / `tfmulti.keras.distributed`.
+
+        `sync_every` 1 with outer learning rate 1 and momentum 0 is the
+        synchronous update; anything else is local SGD (DiLoCo with an
+        outer learning rate or momentum).
+        """
+        from tfmulti.training import local_sgd, powersgd, reduction
+        outer = None
+        if (self.outer_learning_rate, self.outer_momentum) != (1.0, 0.0):
+            outer = local_sgd.OuterSGD(learning_rate=self.outer_learning_rate,
+                                       momentum=self.outer_momentum)
+        sync = None
+        if self.sync_every != 1 or outer is not None:
+            sync = local_sgd.LocalSGD(every=self.sync_every,
+                                      outer_optimizer=outer)
+        compression = powersgd.PowerSGD(rank=self.powersgd_rank) if (
+            self.compression == "powersgd") else None
+        reduction.check_options(sync, compression,
+                                allreduce_dtype=self.allreduce_dtype)
+        return sync, compression
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -146,6 +180,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         optimizer = keras.optimizers.Adam(learning_rate)
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
+    sync, compression = config.communication_options()
     start = time.perf_counter()
     if loop == "trainer":
         trainer = tfmulti.Trainer(
@@ -157,12 +192,13 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
             allreduce_dtype=config.allreduce_dtype,
             steps_per_loop=config.steps_per_loop,
             mixed_precision=config.mixed_precision,
-            model_dir=config.model_dir)
+            model_dir=config.model_dir, sync=sync, compression=compression)
         history = trainer.fit(train, steps=total_steps, eval_data=test,
                               eval_every=steps_per_epoch,
                               global_batch_size=config.global_batch_size)
         seconds = time.perf_counter() - start
         evaluation = trainer.evaluate(test)
+        traffic = trainer.communication
         final_train = {k: v[-1] for k, v in history.items() if v}
     else:
         with strategy.scope():
@@ -176,7 +212,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         model = tfmulti.keras.distributed(
             model, grad_accum_steps=config.grad_accum_steps,
             clip_global_norm=config.clip_global_norm,
-            allreduce_dtype=config.allreduce_dtype)
+            allreduce_dtype=config.allreduce_dtype, sync=sync,
+            compression=compression)
         epochs = max(1, -(-total_steps // steps_per_epoch))
         history = model.fit(
             train, epochs=epochs, steps_per_epoch=min(total_steps,
@@ -185,6 +222,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
             callbacks=tfmulti.keras.callbacks(config.model_dir))
         seconds = time.perf_counter() - start
         evaluation = model.evaluate(test, verbose=0, return_dict=True)
+        traffic = tfmulti.keras.communication(model)
         final_train = {k: v[-1] for k, v in history.history.items()
                        if not k.startswith("val_")}
     metrics = {
@@ -194,6 +232,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         "steps": total_steps,
         "examples_per_sec": total_steps * examples_per_update / seconds,
         "num_replicas": strategy.num_replicas_in_sync,
+        # This worker's gradient / parameter all-reduces, as issued.
+        "communication": traffic,
         "config": dataclasses.asdict(config),
         "versions": {"tfmulti": tfmulti.__version__,
                      "tensorflow": tf.__version__,

@@ -4,7 +4,7 @@ Usage: communication_golden.py MODE OUT_JSON [MODEL_DIR PHASE]
 MODE=local: 4 simulated CPU devices, MirroredStrategy over 4 replicas.
 MODE=multi_worker: TF_CONFIG from the environment, 2 simulated CPU replicas
 per worker (the 2 workers x 2 replicas topology). With MODEL_DIR, PHASE
-"first" trains 4 updates of local SGD with checkpoints and exits; "resume"
+"first" trains 5 updates of local SGD with checkpoints and exits; "resume"
 restores them, trains to 8, and trains an uninterrupted twin to 8.
 Writes {case: {"loss", "weights", "replicas_equal", "communication"}}.
 """
@@ -110,11 +110,14 @@ if len(sys.argv) > 3:
             {"sync": tfmulti.LocalSGD(every=2, outer_optimizer=(
                 tfmulti.OuterSGD()), warmup_steps=1)})
     model, trainer = trainer_for(*case, model_dir=model_dir)
-    history = trainer.fit(dataset(), steps=4 if phase == "first" else STEPS,
+    history = trainer.fit(dataset(), steps=5 if phase == "first" else STEPS,
                           checkpoint_every=1, verbose=0)
     results["resumed"] = result(model, trainer, history)
-    results["resumed"]["start_step"] = history["step"][0] - len(
+    results["resumed"]["start_step"] = history["step"][-1] - len(
         history["step_loss"])
+    results["checkpointed"] = sorted(
+        name for name, _ in tf.train.list_variables(
+            tf.train.latest_checkpoint(model_dir)) if "local_sgd" in name)
     if phase == "resume":
         model, trainer = trainer_for(*case)
         results["uninterrupted"] = result(

@@ -37,6 +37,8 @@ MODES = {
         "input_pipeline": {"replicas": 2, "steps": 20, "rounds": 16},
         "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
+        # Full bench only: six trainings on 2 workers x 2 replicas.
+        "communication_reduction": {"steps": 312, "global_batch_size": 64},
     },
     "quick": {
         "replicas": (1, 2, 4),
@@ -60,7 +62,7 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory")
+              "accumulation_memory", "communication_reduction")
 
 
 def _kill(proc):
@@ -176,9 +178,27 @@ def _input_pipeline(mode, timeout):
     return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
+def _communication_reduction(mode, timeout):
+    if "communication_reduction" not in mode:
+        return None  # not in --quick / --tiny
+    import tempfile
+    from tfmulti.data import shapes
+    data_dir = mode.get("data_dir") or tempfile.mkdtemp(
+        prefix="tfmulti_bench_")
+    # Prepared once here, so the workers only read it.
+    shapes.prepare_default(data_dir)
+    configs = cluster_lib.local_cluster(2)
+    return _run_part(
+        "communication_reduction",
+        dict(mode["communication_reduction"], data_dir=data_dir),
+        timeout=timeout,
+        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
-           "accumulation_memory": _accumulation_memory}
+           "accumulation_memory": _accumulation_memory,
+           "communication_reduction": _communication_reduction}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -210,7 +230,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "errors": {}}
+               "communication_reduction": None, "errors": {}}
 
     def one(name):
         part_began = time.monotonic()

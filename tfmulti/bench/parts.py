@@ -40,11 +40,17 @@ def _accumulation_memory(**kwargs):
     return accumulation_memory.measure(**kwargs)
 
 
+def _communication_reduction(**kwargs):
+    from tfmulti.bench import communication_reduction
+    return communication_reduction.worker_main(**kwargs)
+
+
 PARTS = {
     "step_overhead": _step_overhead,
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,
+    "communication_reduction": _communication_reduction,
 }
 
 

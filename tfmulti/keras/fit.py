@@ -29,8 +29,10 @@ import tensorflow as tf
 
 from tfmulti import peer_failure
 from tfmulti import strategies
+from tfmulti.training import communication as communication_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
+from tfmulti.training import reduction
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer as trainer_lib
 
@@ -73,8 +75,13 @@ def _check_model(model):
 class _State:
     """What `distributed` keeps on a model: options and the current chunk."""
 
-    def __init__(self, options):
+    def __init__(self, options, sync=None, compression=None):
         self.options = options
+        self.sync = sync
+        self.compression = compression
+        # Made with the first train function and kept: its state (anchors,
+        # error feedback) and traffic counts outlive a re-`compile`.
+        self.reducer = None
         # Set by `_Chunk` at each batch begin: the first step of the chunk
         # Keras is about to run and the steps in the epoch (None: unknown).
         self.begin = 0
@@ -158,10 +165,17 @@ def _make_train_function(model, force=False):
     trainer_lib._check_created_in_scope(strategy, model, optimizer)
     if not gradients_lib.reduces_gradients(optimizer):
         gradients_lib.disable_optimizer_reduction(optimizer)
+    communication_options = strategies.communication_options(strategy)
+    if state.reducer is None:
+        state.reducer = reduction.make_reducer(
+            strategy, model.trainable_variables, sync=state.sync,
+            compression=state.compression,
+            communication_options=communication_options,
+            allreduce_dtype=state.options.allreduce_dtype)
     train_step = step_lib.TrainStep(
         strategy, model, optimizer, _compute_loss_fn(model),
-        options=state.options,
-        communication_options=strategies.communication_options(strategy))
+        options=state.options, communication_options=communication_options,
+        reducer=state.reducer)
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = _metrics_function(model)
 
@@ -231,9 +245,22 @@ def batches_per_step(model) -> int:
     return state.options.grad_accum_steps if state is not None else 1
 
 
+def communication(model) -> dict:
+    """All-reduce calls and payload bytes a `distributed` model's `fit` has
+    issued on this worker so far (zeros before the first `fit`)."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise ValueError(f"`model` {model.name!r} was not made by "
+                         "tfmulti.keras.distributed(model).")
+    if state.reducer is None:
+        return {key: 0 for key in communication_lib.TRAFFIC_KEYS}
+    return state.reducer.traffic.result()
+
+
 def distributed(model, *, grad_accum_steps: int = 1,
                 clip_global_norm: float | None = None,
-                allreduce_dtype: str | None = None):
+                allreduce_dtype: str | None = None, sync=None,
+                compression=None):
     """Makes `model.fit` train with tfmulti's step under the model's strategy.
 
     Call after `model.compile(...)` under `strategy.scope()`; then call
@@ -257,6 +284,10 @@ def distributed(model, *, grad_accum_steps: int = 1,
       grad_accum_steps: K batches per optimizer update, one all-reduce.
       clip_global_norm: clip the REDUCED gradient to this global norm.
       allreduce_dtype: None, "float16" or "bfloat16": gradients on the wire.
+      sync: None or `tfmulti.LocalSGD(every=H, ...)`: workers synchronise
+        every H updates. Its state is not in Keras checkpoints (use the
+        Trainer to resume local SGD).
+      compression: None or `tfmulti.PowerSGD(rank=r)`.
 
     Returns:
       `model`.
@@ -270,7 +301,9 @@ def distributed(model, *, grad_accum_steps: int = 1,
     options = step_lib.GradientOptions(
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype)
-    setattr(model, _STATE, _State(options))
+    reduction.check_options(sync, compression,
+                            allreduce_dtype=allreduce_dtype)
+    setattr(model, _STATE, _State(options, sync, compression))
     # Instance attributes shadow the class's methods for this model only;
     # `compile` resets the functions to None, so they are made lazily.
     model.make_train_function = functools.partial(_make_train_function,
