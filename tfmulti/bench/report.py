@@ -91,7 +91,7 @@ def goals(results: dict) -> list[dict]:
     if pipe:
         add("input pipeline / in-memory (paired)", pipe["ratio_paired"],
             ">= 0.95", pipe["ratio_paired"] >= 0.95)
-    comm = results.get("communication", {}).get("configs")
+    comm = (results.get("communication") or {}).get("configs")
     if comm:
         f32, b16 = comm["one_pack_float32"], comm["one_pack_bfloat16"]
         ratio = b16["payload_bytes"] / f32["payload_bytes"]
