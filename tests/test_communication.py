@@ -14,6 +14,7 @@ import pytest
 
 import tfmulti
 from tests.subproc import run_python, run_workers
+from tests.test_recipes import _parse
 from tfmulti.training import powersgd
 
 # Float32 sums in another order: measured at most 1.2e-7 (weights, losses).
@@ -187,3 +188,18 @@ def test_local_sgd_resume_equals_uninterrupted(runs, out):
                                    atol=1e-6)
         for a, b in zip(resumed["weights"], whole["weights"]):
             np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_recipe_flags():
+    sync, compression = _parse("--sync_every=32", "--outer_learning_rate=0.7",
+                               "--outer_momentum=0.9").communication_options()
+    assert sync == tfmulti.LocalSGD(every=32, outer_optimizer=tfmulti.OuterSGD(
+        learning_rate=0.7, momentum=0.9))
+    assert compression is None
+    sync, compression = _parse("--compression=powersgd",
+                               "--powersgd_rank=2").communication_options()
+    assert (sync, compression) == (None, tfmulti.PowerSGD(rank=2))
+    # The defaults are the synchronous update.
+    assert _parse().communication_options() == (None, None)
+    with pytest.raises(ValueError, match="`sync`"):
+        _parse("--sync_every=4", "--compression=powersgd")
