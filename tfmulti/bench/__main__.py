@@ -37,6 +37,7 @@ MODES = {
         "input_pipeline": {"replicas": 2, "steps": 20, "rounds": 16},
         "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
+        "soak": {"seconds": 300, "interval": 10},
         # Full bench only: six trainings on 2 workers x 2 replicas.
         "communication_reduction": {"steps": 312, "global_batch_size": 64},
     },
@@ -62,7 +63,7 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory", "communication_reduction")
+              "accumulation_memory", "soak", "communication_reduction")
 
 
 def _kill(proc):
@@ -178,6 +179,27 @@ def _input_pipeline(mode, timeout):
     return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
+def _two_clusters():
+    """Two 2-worker loopback clusters on four distinct free ports."""
+    ports = [int(a.rsplit(":", 1)[1]) for a in cluster_lib.local_cluster(
+        4)[0]["cluster"]["worker"]]
+    return [cluster_lib.local_cluster(2, ports=ports[:2]),
+            cluster_lib.local_cluster(2, ports=ports[2:])]
+
+
+def _soak(mode, timeout):
+    # Minutes long by design: the full bench only.
+    if "soak" not in mode:
+        return None
+    settings = mode["soak"]
+    # The two jobs at once: threads, memory and files are per process, and
+    # the part stays minutes long rather than twice that.
+    return _in_turn({entry: (lambda entry=entry, configs=configs: _run_part(
+        "soak", dict(settings, entry=entry),
+        timeout=max(timeout, settings["seconds"] + 240),
+        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
+        for entry, configs in zip(("trainer", "fit"), _two_clusters())},
+        True)
 def _communication_reduction(mode, timeout):
     if "communication_reduction" not in mode:
         return None  # not in --quick / --tiny
@@ -197,7 +219,7 @@ def _communication_reduction(mode, timeout):
 
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
-           "accumulation_memory": _accumulation_memory,
+           "accumulation_memory": _accumulation_memory, "soak": _soak,
            "communication_reduction": _communication_reduction}
 
 
@@ -230,7 +252,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "communication_reduction": None, "errors": {}}
+               "soak": None, "communication_reduction": None, "errors": {}}
 
     def one(name):
         part_began = time.monotonic()

@@ -40,6 +40,11 @@ def _accumulation_memory(**kwargs):
     return accumulation_memory.measure(**kwargs)
 
 
+def _soak(**kwargs):
+    from tfmulti.bench import soak
+    return soak.run(**kwargs)
+
+
 def _communication_reduction(**kwargs):
     from tfmulti.bench import communication_reduction
     return communication_reduction.worker_main(**kwargs)
@@ -50,6 +55,7 @@ PARTS = {
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,
+    "soak": _soak,
     "communication_reduction": _communication_reduction,
 }
 
