@@ -12,11 +12,10 @@ import logging
 import math
 import warnings
 
-import keras
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import watchdog
+from tfmulti import compat, watchdog
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -41,46 +40,6 @@ _THREADS_PER_SECOND_MEASURED = 1000
 _warned_timeout = False
 
 _log = logging.getLogger(__name__)
-
-
-def _keras_major() -> int:
-    return int(keras.__version__.split(".")[0])
-
-
-class _KerasMultiWorkerMirroredStrategy(
-        tf.distribute.MultiWorkerMirroredStrategy):
-    """MultiWorkerMirroredStrategy whose `reduce` accepts what Keras 3 passes.
-
-    Keras 3's TF trainer (checked up to 3.15) calls `strategy.reduce("MEAN",
-    batch, axis=None)` on the nested (x, y) batch while building the model,
-    and `strategy.reduce("MEAN", logs, axis=0)` on scalar logs after every
-    step. The stock strategy reduces neither ("Attempt to convert a value
-    (PerReplica ...) to a Tensor"; "Invalid reduction dimension 0 for input
-    with 0 dimensions", keras-team/keras#20585). Here `reduce` maps over
-    nested structures and reduces rank-0 values across replicas only, which
-    is what a mean over axis 0 of a scalar per replica means.
-    """
-
-    def reduce(self, reduce_op, value, axis=None):
-        reduce_one = super().reduce
-
-        def one(v):
-            local = self.experimental_local_results(v)[0]
-            one_axis = None if local.shape.rank == 0 else axis
-            if local.dtype in _COLLECTIVE_DTYPES:
-                return reduce_one(reduce_op, v, axis=one_axis)
-            # The first batch Keras reduces is often uint8 images, which
-            # CollectiveReduceV2 has no kernel for: reduce in float32.
-            as_float = self.run(lambda t: tf.cast(t, tf.float32), args=(v,))
-            return tf.cast(reduce_one(reduce_op, as_float, axis=one_axis),
-                           local.dtype)
-
-        return tf.nest.map_structure(one, value)
-
-
-# What CollectiveReduceV2 can carry on every device type.
-_COLLECTIVE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
-                      tf.int32, tf.int64)
 
 
 def communication_options(strategy: tf.distribute.Strategy
@@ -299,8 +258,7 @@ def _multi_worker(cluster, num_gpus, options):
                                   for t, a in cluster.cluster.items()}),
             task_type=cluster.task_type, task_id=cluster.task_index,
             rpc_layer="grpc")
-    cls = (_KerasMultiWorkerMirroredStrategy if _keras_major() >= 3
-           else tf.distribute.MultiWorkerMirroredStrategy)
+    cls = compat.multi_worker_strategy_class()
     try:
         return cls(cluster_resolver=resolver, communication_options=options)
     except RuntimeError as e:
@@ -349,7 +307,7 @@ def multi_worker_on_cpus(local_cpus: int, *,
             return tuple(f"{worker_device}/device:CPU:{i}"
                          for i in range(local_cpus)), "CPU"
 
-    class Strategy(_KerasMultiWorkerMirroredStrategy):
+    class Strategy(compat.multi_worker_strategy_class()):
         def __init__(self, resolver, options):
             tf.distribute.Strategy.__init__(self, Extended(
                 self, communication_options=options,

@@ -27,7 +27,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from tfmulti import peer_failure
+from tfmulti import compat, peer_failure
 from tfmulti import strategies
 from tfmulti.training import communication as communication_lib
 from tfmulti.training import gradients as gradients_lib
@@ -56,7 +56,7 @@ def _check_model(model):
             "model.compile(optimizer=..., loss=..., steps_per_execution=...) "
             "under `strategy.scope()` first, then tfmulti.keras."
             "distributed(model).")
-    if model._distribute_strategy is None:
+    if compat.model_strategy(model) is None:
         # TensorFlow's default strategy has no devices to loop over.
         raise ValueError(
             f"`model` {model.name!r} was built without a strategy. Create it "
@@ -131,14 +131,14 @@ def _compute_loss_fn(model):
         # What Keras's `train_step` does, minus the gradient: the compiled
         # loss is already this replica's share (Keras scales it by
         # 1/replicas under a strategy), the tracker gets the local mean.
-        if model._call_has_training_arg:
+        if compat.call_has_training_arg(model):
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
                                   sample_weight=sample_weight, training=True)
-        model._loss_tracker.update_state(
-            loss * strategy.num_replicas_in_sync,
+        compat.loss_tracker(model).update_state(
+            compat.unscaled_keras_loss(loss, strategy),
             sample_weight=tf.shape(
                 next(t for t in tf.nest.flatten(x) if t is not None))[0])
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -162,7 +162,7 @@ def _make_train_function(model, force=False):
     if not optimizer.built:
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-    trainer_lib._check_created_in_scope(strategy, model, optimizer)
+    trainer_lib.check_created_in_scope(strategy, model, optimizer)
     if not gradients_lib.reduces_gradients(optimizer):
         gradients_lib.disable_optimizer_reduction(optimizer)
     communication_options = strategies.communication_options(strategy)

@@ -192,3 +192,45 @@ class SynchronousReducer:
         None: anywhere."""
         del step
         return None
+
+
+class _AtSyncPoints:
+    """A controller schedule whose runs wait for a synchronisation point.
+
+    Wraps `schedule` (see `training.controller.Schedule`): the inner loop
+    also ends at every point where the workers hold equal weights, and a run
+    that falls due between them happens at the next one.
+    """
+
+    exact = True
+
+    def __init__(self, schedule, reducer):
+        self._schedule = schedule
+        self._reducer = reducer
+        self.every_steps = schedule.every_steps
+        self.every_seconds = schedule.every_seconds
+        self._pending = False
+
+    def steps_to_boundary(self, step: int) -> int:
+        bounds = [b for b in (self._schedule.steps_to_boundary(step),
+                              self._reducer.steps_to_boundary(step))
+                  if b is not None]
+        # No boundary: any length (the controller caps it anyway).
+        return min(bounds) if bounds else 1 << 62
+
+    def due(self, *, before, after, at_end, seconds_since) -> bool:
+        self._pending = self._pending or self._schedule.due(
+            before=before, after=after, at_end=at_end,
+            seconds_since=seconds_since)
+        if self._pending and self._reducer.at_sync_point(after):
+            self._pending = False
+            return True
+        return False
+
+
+def at_sync_points(schedule, reducer):
+    """`schedule` for checkpoints under `reducer`: unchanged when workers
+    always agree, else deferred to synchronisation points (local SGD)."""
+    if reducer.steps_to_boundary(0) is None and reducer.at_sync_point(1):
+        return schedule
+    return _AtSyncPoints(schedule, reducer)
