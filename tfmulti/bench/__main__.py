@@ -38,6 +38,7 @@ MODES = {
         "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
         "soak": {"seconds": 300, "interval": 10},
+        "pipeline_bubble": {"stages": (2, 4)},
         # Full bench only: six trainings on 2 workers x 2 replicas.
         "communication_reduction": {"steps": 312, "global_batch_size": 64},
     },
@@ -63,7 +64,8 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory", "soak", "communication_reduction")
+              "accumulation_memory", "soak", "pipeline_bubble",
+              "communication_reduction")
 
 
 def _kill(proc):
@@ -217,9 +219,20 @@ def _communication_reduction(mode, timeout):
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
 
 
+def _pipeline_bubble(mode, timeout):
+    # Full runs only: S stages need S cores to overlap, and the bubble is a
+    # property of the schedule, not worth a minute of every --quick run.
+    if "pipeline_bubble" not in mode:
+        return None
+    return {str(s): _run_part("pipeline_bubble", {"stages": s},
+                              timeout=timeout)[0]
+            for s in mode["pipeline_bubble"]["stages"]}
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
+           "pipeline_bubble": _pipeline_bubble,
            "communication_reduction": _communication_reduction}
 
 
@@ -252,7 +265,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "soak": None, "communication_reduction": None, "errors": {}}
+               "soak": None, "pipeline_bubble": None,
+               "communication_reduction": None, "errors": {}}
 
     def one(name):
         part_began = time.monotonic()

@@ -45,6 +45,11 @@ def _soak(**kwargs):
     return soak.run(**kwargs)
 
 
+def _pipeline_bubble(**kwargs):
+    from tfmulti.bench import pipeline_bubble
+    return pipeline_bubble.measure(**kwargs)
+
+
 def _communication_reduction(**kwargs):
     from tfmulti.bench import communication_reduction
     return communication_reduction.worker_main(**kwargs)
@@ -56,6 +61,7 @@ PARTS = {
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,
     "soak": _soak,
+    "pipeline_bubble": _pipeline_bubble,
     "communication_reduction": _communication_reduction,
 }
 

@@ -209,6 +209,9 @@ def markdown(results: dict) -> str:
                      f" {_fmt(mem['large_vs_batch'])}; added by training, "
                      f"accumulated / batch B: "
                      f"{_fmt(mem['accum_vs_batch_training'])}.")
+    if results.get("pipeline_bubble"):
+        from tfmulti.bench import pipeline_bubble
+        lines += pipeline_bubble.markdown(results["pipeline_bubble"])
     reduced = results.get("communication_reduction")
     if reduced:
         lines += ["", "## Less communication (2 workers x 2 replicas, "
