@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tfmulti.training import communication
 from tfmulti.training import gradients as gradients_lib
+from tfmulti.training import xla as xla_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +83,14 @@ class TrainStep:
         for the gradient all-reduce.
       reducer: who reduces the gradients and counts the traffic (see
         `communication`); default: one synchronous all-reduce per update.
+      jit_compile: compile each replica's forward and backward with XLA
+        (the all-reduce and the update stay outside; see `xla.py`).
     """
 
     def __init__(self, strategy, model, optimizer, compute_loss, *,
                  options: GradientOptions = GradientOptions(), metrics=(),
-                 communication_options=None, reducer=None):
+                 communication_options=None, reducer=None,
+                 jit_compile: bool = False):
         if not gradients_lib.reduces_gradients(optimizer):
             raise ValueError(
                 "`optimizer` still sums gradients across replicas itself, so "
@@ -103,6 +107,10 @@ class TrainStep:
             strategy, communication_options=communication_options,
             allreduce_dtype=options.allreduce_dtype)
         self._variables = list(model.trainable_variables)
+        self.jit_compile = bool(jit_compile)
+        self._replica_gradients = (
+            xla_lib.PerReplicaCompiled(self._local_gradients)
+            if self.jit_compile else self._local_gradients)
         self._accumulators = []
         if options.grad_accum_steps > 1:
             # Per-replica (sync-on-read) sums: each replica accumulates its
@@ -119,6 +127,10 @@ class TrainStep:
     def options(self) -> GradientOptions:
         return self._options
 
+    @property
+    def model(self):
+        return self._model
+
     def _local_gradients(self, batch):
         x, y, sample_weight = unpack_batch(batch)
         with tf.GradientTape() as tape:
@@ -133,14 +145,14 @@ class TrainStep:
         return loss, grads
 
     def _accumulate(self, batch, loss_so_far):
-        loss, grads = self._local_gradients(batch)
+        loss, grads = self._replica_gradients(batch)
         for acc, g in zip(self._accumulators, grads):
             if g is not None:
                 acc.assign_add(tf.convert_to_tensor(g))
         return loss + loss_so_far
 
     def _update(self, batch, loss_so_far):
-        loss, grads = self._local_gradients(batch)
+        loss, grads = self._replica_gradients(batch)
         if self._accumulators:
             grads = [None if g is None else tf.convert_to_tensor(g) +
                      acc.read_value()
