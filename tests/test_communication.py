@@ -1,19 +1,20 @@
 """Local SGD / DiLoCo and PowerSGD: golden equalities and traffic counts.
 
-One subprocess trains every case on 4 mirrored replicas; two worker
-processes with 2 simulated CPU replicas each (2 workers x 2 replicas) train
-them under multi_worker. H=1 local SGD equals the synchronous Trainer;
+One pair of worker processes with 2 simulated CPU replicas each (2 workers
+x 2 replicas) trains every case under multi_worker, then is SIGKILLed after
+a checkpoint; a second pair resumes from it. H=1 local SGD equals the synchronous Trainer;
 PowerSGD at full rank equals uncompressed training; the bytes counted where
 the reductions are issued follow 1/H and (m+n)r/(mn).
 """
 
 import json
+import signal
 
 import numpy as np
 import pytest
 
 import tfmulti
-from tests.subproc import run_python, run_workers
+from tests.subproc import run_workers
 from tests.test_recipes import _parse
 from tfmulti.training import powersgd
 
@@ -33,14 +34,14 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(out):
-    run_python([WORKER, "local", str(out / "mirrored.json")], timeout=420)
     # The same worker processes also train the first 5 updates of the
-    # resume test, saving checkpoints to model/.
-    run_workers([WORKER, "multi_worker", str(out / "worker{index}.json"),
-                 str(out / "model")], 2, timeout=600)
-    return {"mirrored4": [json.loads((out / "mirrored.json").read_text())],
-            "2x2": [json.loads((out / f"worker{i}.json").read_text())
-                    for i in (0, 1)]}
+    # resume test, saving checkpoints to model/, then kill themselves.
+    for rc, output in run_workers(
+            [WORKER, "multi_worker", str(out / "worker{index}.json"),
+             str(out / "model")], 2, timeout=600, check=False):
+        assert rc == -signal.SIGKILL, output[-4000:]
+    return [json.loads((out / f"worker{i}.json").read_text())
+            for i in (0, 1)]
 
 
 def max_diff(a, b):
@@ -49,17 +50,13 @@ def max_diff(a, b):
                np.abs(np.array(a["loss"]) - np.array(b["loss"])).max())
 
 
-LAYOUTS = ["mirrored4", pytest.param("2x2", marks=pytest.mark.slow)]
+@pytest.mark.slow
+def test_layout(runs):
+    for run in runs:
+        assert (run["workers"], run["replicas"]) == (2, 4)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts(runs, layout):
-    for run in runs[layout]:
-        assert (run["workers"], run["replicas"]) == (
-            (1, 4) if layout == "mirrored4" else (2, 4))
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.slow
 @pytest.mark.parametrize("case,golden,tolerance", [
     ("local_h1", "sync", LOCAL_SGD_TOLERANCE),
     ("local_path_h1", "sync_sgd", LOCAL_SGD_TOLERANCE),
@@ -67,15 +64,15 @@ def test_layouts(runs, layout):
     ("powersgd_full_clip_accum", "sync_clip_accum", POWERSGD_TOLERANCE),
     ("keras_powersgd_full", "keras_sync", POWERSGD_TOLERANCE),
 ])
-def test_equals_synchronous(runs, layout, case, golden, tolerance):
-    for run in runs[layout]:
+def test_equals_synchronous(runs, case, golden, tolerance):
+    for run in runs:
         assert run[case].get("replicas_equal", True)
         assert max_diff(run[case], run[golden]) <= tolerance
 
 
 @pytest.mark.slow
 def test_local_sgd_is_not_synchronous_and_workers_agree_at_sync(runs):
-    first, second = runs["2x2"]
+    first, second = runs
     for run in (first, second):
         # Replicas on one worker stay identical (all-reduced every step)...
         assert run["local_h4"]["replicas_equal"]
@@ -95,7 +92,7 @@ def parameter_bytes(run):
 
 @pytest.mark.slow
 def test_local_sgd_bytes_between_workers(runs):
-    for run in runs["2x2"]:
+    for run in runs:
         sync = run["sync_sgd"]["communication"]["inter_worker_bytes"]
         assert sync == STEPS * parameter_bytes(run["sync_sgd"])
         local = run["local_h4"]["communication"]
@@ -110,15 +107,12 @@ def test_local_sgd_bytes_between_workers(runs):
             run["sync_sgd"])
         # Keras fit through tfmulti.keras.distributed counts the same.
         assert run["keras_local_h4"]["communication"] == local
-    for run in runs["mirrored4"]:
-        # One worker: nothing crosses between workers.
-        assert run["local_h4"]["communication"]["inter_worker_bytes"] == 0
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_powersgd_bytes(runs, layout):
+@pytest.mark.slow
+def test_powersgd_bytes(runs):
     options = tfmulti.PowerSGD(rank=1)
-    for run in runs[layout]:
+    for run in runs:
         shapes = run["powersgd_r1"]["shapes"]
         expected = 0
         for shape in shapes:
@@ -131,8 +125,7 @@ def test_powersgd_bytes(runs, layout):
         assert traffic["all_reduce_bytes"] == STEPS * expected
         # Packed: the dense tensors with the P factors, then the Q factors.
         assert traffic["all_reduce_calls"] == 2 * STEPS
-        assert traffic["inter_worker_bytes"] == (
-            STEPS * expected if layout == "2x2" else 0)
+        assert traffic["inter_worker_bytes"] == STEPS * expected
         # Both matrices compress at rank 1: 62 floats instead of 195.
         assert expected < parameter_bytes(run["powersgd_r1"]) / 3
 
@@ -169,20 +162,19 @@ def test_combinations_rejected():
 
 @pytest.mark.slow
 def test_local_sgd_resume_equals_uninterrupted(runs, out):
-    # `runs` trained the first 5 updates and exited; new processes resume.
+    # `runs` trained the first 5 updates and was killed; new processes resume.
     run_workers([WORKER, "resume", str(out / "resume{index}.json"),
                  str(out / "model")], 2, timeout=300)
     for i in (0, 1):
-        first = runs["2x2"][i]["resumed"]
-        assert len(first["loss"]) == 5
-        run = json.loads((out / f"resume{i}.json").read_text())
-        # Warm-up 1, H=2: step 5 is a synchronisation point, saved.
-        assert run["resumed"]["start_step"] == 5
+        assert len(runs[i]["first"]["loss"]) == 5
         # Anchors, outer momentum and the update count are in it.
-        names = " ".join(run["checkpointed"])
+        names = " ".join(runs[i]["checkpointed"])
         for part in ("anchors", "outer_momentum", "updates"):
             assert part in names
-        resumed, whole = run["resumed"], run["uninterrupted"]
+        resumed = json.loads((out / f"resume{i}.json").read_text())["resumed"]
+        whole = runs[i]["uninterrupted"]
+        # Warm-up 1, H=2: step 5 is a synchronisation point, saved.
+        assert resumed["start_step"] == 5
         # The resumed job's losses are the uninterrupted run's last 3.
         np.testing.assert_allclose(resumed["loss"], whole["loss"][5:],
                                    atol=1e-6)

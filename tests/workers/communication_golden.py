@@ -1,30 +1,28 @@
 """Trainer runs with local SGD / DiLoCo / PowerSGD for the golden tests.
 
-Usage: communication_golden.py MODE OUT_JSON [MODEL_DIR]
-MODE=local: 4 simulated CPU devices, MirroredStrategy over 4 replicas.
-MODE=multi_worker: TF_CONFIG from the environment, 2 simulated CPU replicas
-per worker (the 2 workers x 2 replicas topology); with MODEL_DIR it also
-trains 5 updates of local SGD with checkpoints there and exits.
-MODE=resume (multi_worker, new processes): restores MODEL_DIR, trains to 8
-updates, and trains an uninterrupted twin to 8.
+Usage: communication_golden.py MODE OUT_JSON MODEL_DIR, under TF_CONFIG, 2
+simulated CPU replicas per worker (the 2 workers x 2 replicas topology).
+MODE=multi_worker: trains every case, an uninterrupted 8-update local SGD
+run, then 5 updates of it with checkpoints in MODEL_DIR, writes OUT_JSON and
+SIGKILLs itself (no clean shutdown).
+MODE=resume (new processes): restores MODEL_DIR and trains to 8 updates.
 Writes {case: {"loss", "weights", "replicas_equal", "communication"}}.
 """
 
 import gc
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
+from tfmulti import strategies  # noqa: E402
+from tfmulti.training import communication  # noqa: E402
 
-MODE, OUT = sys.argv[1], sys.argv[2]
-if MODE in ("multi_worker", "resume"):
-    strategy = tfmulti.strategies.multi_worker_on_cpus(2)
-else:
-    strategy = tfmulti.create_strategy(
-        "mirrored", devices=tfmulti.simulate_devices(4))
+MODE, OUT, MODEL_DIR = sys.argv[1:4]
+strategy = strategies.multi_worker_on_cpus(2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -115,9 +113,22 @@ def keras_fit(kwargs):
             "communication": tfmulti.keras.communication(model)}
 
 
-results = {"workers": tfmulti.training.communication.num_workers(strategy),
+results = {"workers": communication.num_workers(strategy),
            "replicas": strategy.num_replicas_in_sync}
-if MODE == "multi_worker" or len(sys.argv) == 3:
+# No inner momentum: each worker's inner optimizer state is its own and
+# only the chief's is checkpointed (see BUILD_NOTES); the outer (DiLoCo)
+# momentum is the same on every worker and is.
+RESUME_CASE = (lambda: keras.optimizers.SGD(0.1),
+               {"sync": tfmulti.LocalSGD(every=2, outer_optimizer=(
+                   tfmulti.OuterSGD()), warmup_steps=1)})
+
+
+def checkpointed():
+    return sorted(name for name, _ in tf.train.list_variables(
+        tf.train.latest_checkpoint(MODEL_DIR)) if "local_sgd" in name)
+
+
+if MODE == "multi_worker":
     for name, (make_optimizer, kwargs) in CASES.items():
         gc.collect()
         gc.freeze()
@@ -130,27 +141,28 @@ if MODE == "multi_worker" or len(sys.argv) == 3:
         gc.collect()
         gc.freeze()
         results[name] = keras_fit(kwargs)
-if len(sys.argv) > 3:
-    model_dir = sys.argv[3]
-    phase = "resume" if MODE == "resume" else "first"
-    # No inner momentum: each worker's inner optimizer state is its own and
-    # only the chief's is checkpointed (see BUILD_NOTES); the outer
-    # (DiLoCo) momentum is the same on every worker and is.
-    case = (lambda: keras.optimizers.SGD(0.1),
-            {"sync": tfmulti.LocalSGD(every=2, outer_optimizer=(
-                tfmulti.OuterSGD()), warmup_steps=1)})
-    model, trainer = trainer_for(*case, model_dir=model_dir)
-    history = trainer.fit(dataset(), steps=5 if phase == "first" else STEPS,
-                          checkpoint_every=1, verbose=0)
+    model, trainer = trainer_for(*RESUME_CASE)
+    results["uninterrupted"] = result(
+        model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
+    # The first half of the resume test: 5 updates, a checkpoint at each.
+    model, trainer = trainer_for(*RESUME_CASE, model_dir=MODEL_DIR)
+    results["first"] = result(model, trainer, trainer.fit(
+        dataset(), steps=5, checkpoint_every=1, verbose=0))
+    results["checkpointed"] = checkpointed()
+else:
+    model, trainer = trainer_for(*RESUME_CASE, model_dir=MODEL_DIR)
+    history = trainer.fit(dataset(), steps=STEPS, checkpoint_every=1,
+                          verbose=0)
     results["resumed"] = result(model, trainer, history)
     results["resumed"]["start_step"] = history["step"][-1] - len(
         history["step_loss"])
-    results["checkpointed"] = sorted(
-        name for name, _ in tf.train.list_variables(
-            tf.train.latest_checkpoint(model_dir)) if "local_sgd" in name)
-    if phase == "resume":
-        model, trainer = trainer_for(*case)
-        results["uninterrupted"] = result(
-            model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
 with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:
     json.dump(results, f)
+if MODE == "multi_worker":
+    # A crash, not an exit: what the restart resumes from is only what the
+    # checkpoint holds.
+    # checkpoint holds. The all-reduce first: no peer is left waiting in a
+    # collective of this worker's.
+    strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
