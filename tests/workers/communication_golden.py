@@ -52,7 +52,6 @@ CASES = {
     "local_h4": (SGD, {"sync": tfmulti.LocalSGD(every=4)}),
     "diloco_h4": (SGD, {"sync": tfmulti.LocalSGD(
         every=4, outer_optimizer=tfmulti.OuterSGD(), warmup_steps=2)}),
-    "powersgd_full": (ADAM, {"compression": FULL_RANK}),
     "sync_clip_accum": (ADAM, {"clip_global_norm": 0.05,
                                "grad_accum_steps": 2}),
     "powersgd_full_clip_accum": (ADAM, {"compression": FULL_RANK,
