@@ -35,8 +35,10 @@ TRAFFIC_KEYS = ("all_reduce_calls", "all_reduce_bytes", "inter_worker_calls",
 
 def num_workers(strategy) -> int:
     """Worker processes in `strategy`'s cluster (1 for in-process ones)."""
-    return strategy.num_replicas_in_sync // len(
-        strategy.extended.worker_devices)
+    # A ParameterServerStrategy coordinator has no worker devices of its
+    # own (and no all-reduce): count it as one.
+    devices = len(getattr(strategy.extended, "worker_devices", ()) or ())
+    return strategy.num_replicas_in_sync // devices if devices else 1
 
 
 def payload_bytes(tensors) -> int:
