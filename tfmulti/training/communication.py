@@ -162,8 +162,11 @@ class SynchronousReducer:
     def reduce(self, grads):
         """SUM across every replica (replica context)."""
         wire = tf.as_dtype(self._dtype) if self._dtype else None
+        # A gradient of unknown static size (data whose shape only the run
+        # knows, which the training-data checks then refuse by name) counts
+        # 0 rather than failing the trace before that clear error.
         self._traced_bytes = sum(
-            int(g.shape.num_elements()) * (
+            (g.shape.num_elements() or 0) * (
                 wire.size if wire is not None and g.dtype.is_floating
                 else g.dtype.size)
             for g in grads if g is not None)
