@@ -36,8 +36,12 @@ TRAFFIC_KEYS = ("all_reduce_calls", "all_reduce_bytes", "inter_worker_calls",
 def num_workers(strategy) -> int:
     """Worker processes in `strategy`'s cluster (1 for in-process ones)."""
     # A ParameterServerStrategy coordinator has no worker devices of its
-    # own (and no all-reduce): count it as one.
-    devices = len(getattr(strategy.extended, "worker_devices", ()) or ())
+    # own (and no all-reduce), and the default strategy raises on the
+    # attribute: count both as one.
+    try:
+        devices = len(strategy.extended.worker_devices or ())
+    except (AttributeError, RuntimeError):
+        devices = 0
     return strategy.num_replicas_in_sync // devices if devices else 1
 
 
