@@ -4,9 +4,10 @@ device does.
 The golden cases run in one subprocess with 8 simulated CPU devices (S=2 and
 S=4 stages, M=1 and M=4 micro-batches, D=1 and D=2 data-parallel groups,
 GPipe and 1F1B, a Sequential and a carried skip connection; and
-`tfmulti.Trainer` driving S=2, M=2, D=1 and 2, resumed too); a second,
-one-device process restores the pipelined checkpoints (the weights file,
-and the Trainer's checkpoint with its optimizer state). Errors and schedules
+`tfmulti.Trainer` and Keras fit through `tfmulti.keras.distributed` each
+driving S=2, M=2, D=1 and 2, resumed too); a second, one-device process
+restores the pipelined checkpoints (the weights file, and the Trainer's and
+Keras fit's checkpoints with their optimizer state). Errors and schedules
 are checked here, in process.
 """
 
@@ -69,9 +70,52 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
         assert 0 <= r["train_accuracy"] <= 1, r
     assert trainer["2:2:2"]["resume_weight_diff"] < 1e-6
     assert trainer["2:2:2"]["resume_loss_diff"] < 1e-6
+    # Keras fit through tfmulti.keras.distributed(pipe) (S=2, M=2, D=1 and
+    # 2, steps_per_execution=2 over 3-step epochs, metrics, a backup):
+    # plain one-device Keras fit's per-epoch losses, accuracy, weights,
+    # evaluation and predictions.
+    keras_fit = interchange["keras"]
+    for case in ("2:2:1", "2:2:2"):
+        r = keras_fit[case]
+        print("Keras fit", case, {k: v for k, v in r.items()
+                                  if "diff" in k})
+        assert r["steps"] == 6 and len(r["losses"]) == 2, r
+        assert r["weight_diff"] < TOLERANCE, r
+        assert r["loss_diff"] < TOLERANCE, r
+        assert r["accuracy_diff"] < TOLERANCE, r
+        assert r["evaluate_diff"] < TOLERANCE, r  # stage by stage
+        assert r["predict_diff"] < TOLERANCE, r
+        assert r["group_diff"] == 0.0, r
+    # Its backup, resumed by the Trainer over a new pipeline: nothing left
+    # to train at step 6, same predictions and optimizer state; 3 more
+    # steps equal plain Keras's third epoch.
+    r = keras_fit["2:2:2"]
+    assert r["trainer_steps_run"] == 0, r
+    assert r["trainer_predict_diff"] < 1e-6, r
+    assert r["trainer_optimizer_diff"] == 0.0, r
+    assert r["trainer_next_epoch_weight_diff"] < TOLERANCE, r
+    said = keras_fit["refusals"]
+    assert sorted(said) == sorted([
+        "class_weight", "jit_compile", "optimizer", "x", "drop_remainder",
+        "micro_batches", "distributed_jit_compile", "inner_model"]), said
+    assert said["class_weight"].startswith(
+        "`class_weight`={0: 2.0} is not supported for a PipelinedModel "
+        "trained with Keras `fit`"), said
+    assert "Leave `class_weight` at None" in said["class_weight"]
+    assert said["jit_compile"].startswith("`jit_compile`=True is not "
+                                          "supported"), said
+    assert "leave `optimizer` out of compile" in said["optimizer"], said
+    assert said["x"].startswith("`x` is a ndarray") and (
+        "drop_remainder=True" in said["x"]), said
+    assert "no static size" in said["drop_remainder"] and (
+        "drop_remainder=True" in said["drop_remainder"]), said
+    assert said["micro_batches"].startswith(
+        "`micro_batches`=2 does not divide the per-group batch of 3"), said
+    assert "`jit_compile`=True" in said["distributed_jit_compile"], said
+    assert "tfmulti.keras.distributed(pipe)" in said["inner_model"], said
     restored = tmp_path / "restored.json"
     run_python(["tests/workers/pipeline_restore.py", str(tmp_path),
-                str(restored)], timeout=180)
+                str(restored), keras_fit["backup_dir"]], timeout=180)
     restored = json.loads(restored.read_text())
     assert restored["devices"] == ["CPU:0"]
     assert restored["pipelined_to_single_diff"] < TOLERANCE
@@ -82,6 +126,12 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
     assert restored["trainer_steps_run_after_restore"] == 0
     assert restored["trainer_checkpoint_prediction_diff"] < TOLERANCE
     assert restored["trainer_resumed_weight_diff"] < TOLERANCE
+    # One-device Keras fit resumes the pipelined Keras backup (epoch 2):
+    # same predictions, and epoch 3 reaches plain Keras's weights.
+    assert restored["keras_epochs_run_after_restore"] == 0
+    assert restored["keras_checkpoint_prediction_diff"] < 1e-6
+    assert restored["keras_resumed_weight_diff"] < TOLERANCE
+    assert restored["keras_final_step"] == 9
 
 
 def _chain(name="chain", batch_norm=False):
@@ -237,13 +287,17 @@ def test_trainer_refuses_options_the_pipeline_does_not_implement():
     assert trainer.model is pipe.model
 
 
-def test_keras_fit_refuses_a_pipelined_model_and_names_the_trainer():
+def test_keras_fit_takes_the_pipeline_not_the_model_inside():
     import tfmulti
     pipe = _pipe(_chain(), num_stages=2)
-    for model in (pipe, pipe.model):
-        with pytest.raises(ValueError, match=r"is pipelined.*"
-                           r"`tfmulti.Trainer\(pipe"):
-            tfmulti.keras.distributed(model)
+    with pytest.raises(ValueError, match=r"is the model inside a .*"
+                       r"PipelinedModel.*tfmulti.keras.distributed\(pipe\)"):
+        tfmulti.keras.distributed(pipe.model)
+    with pytest.raises(ValueError, match=r"`sync`=.* is not supported for a "
+                       r"PipelinedModel trained with Keras `fit`"):
+        tfmulti.keras.distributed(pipe, sync=tfmulti.LocalSGD(every=2))
+    km = tfmulti.keras.distributed(pipe)
+    assert km is pipe.model and km.optimizer is pipe.optimizers[0][0]
 
 
 def test_keras_fit_recipe_refuses_pipeline_stages_and_names_custom_loop():

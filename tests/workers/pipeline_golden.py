@@ -10,6 +10,7 @@ process), and a one-device checkpoint loads into a fresh pipelined model.
 """
 
 import json
+import shutil
 import sys
 
 import keras
@@ -253,6 +254,144 @@ def trainer_cases(cases, goldens, ckpt_dir):
     return results
 
 
+# (S:M:D) pipelines trained by Keras `fit` through tfmulti.keras.distributed.
+KERAS_CASES = ["2:2:1", "2:2:2"]
+KERAS_EPOCHS = 2
+
+
+def keras_golden():
+    """Plain Keras fit of the unsplit model on one device: per-epoch losses
+    and accuracy, weights, evaluation and predictions after KERAS_EPOCHS;
+    then the weights after one more epoch (the one-device process resumes
+    the pipelined backup for it)."""
+    with tf.device(DEVICES[0]):
+        model = make_model("mlp")
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"])
+        history = model.fit(dataset(), epochs=KERAS_EPOCHS, steps_per_epoch=STEPS,
+                            verbose=0)
+        result = {
+            "history": history.history, "weights": model.get_weights(),
+            "evaluate": model.evaluate(dataset(), verbose=0,
+                                       return_dict=True),
+            "predictions": model.predict(data()[0][0], verbose=0)}
+        model.fit(dataset(), epochs=KERAS_EPOCHS + 1,
+                  initial_epoch=KERAS_EPOCHS, steps_per_epoch=STEPS,
+                  verbose=0)
+        result["next_epoch_weights"] = model.get_weights()
+    return result
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(a, b))
+
+
+def keras_refusals(pipe, km):
+    """The texts of what Keras fit of a pipeline refuses, by argument."""
+    said = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except ValueError as e:
+            said[name] = str(e)
+
+    catch("class_weight", lambda: km.fit(dataset(), class_weight={0: 2.0},
+                                         verbose=0))
+    catch("jit_compile", lambda: km.compile(jit_compile=True))
+    catch("optimizer", lambda: km.compile(
+        optimizer=keras.optimizers.SGD(0.1)))
+    catch("x", lambda: km.fit(data()[0][0], data()[1][0], verbose=0))
+    catch("drop_remainder", lambda: km.fit(
+        tf.data.Dataset.from_tensor_slices(data()).unbatch().batch(5),
+        verbose=0))
+    catch("micro_batches", lambda: km.fit(
+        tf.data.Dataset.from_tensor_slices(data()).unbatch().batch(
+            6, drop_remainder=True), verbose=0))
+    catch("distributed_jit_compile", lambda: tfmulti.keras.distributed(
+        pipe, jit_compile=True))
+    catch("inner_model", lambda: tfmulti.keras.distributed(pipe.model))
+    return said
+
+
+def keras_cases(cases, ckpt_dir):
+    """Keras fit of PipelinedModels vs plain Keras fit on one device; the
+    backup it wrote resumed by the Trainer over a new pipeline (and, in
+    pipeline_restore.py, by one-device Keras fit)."""
+    golden_run = keras_golden()
+    results = {}
+    for case in cases:
+        S, M, D = (int(p) for p in case.split(":")[:3])
+        pipe = pipeline.PipelinedModel(
+            make_model("mlp"),
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=loss_fn(), num_stages=S, micro_batches=M, data_parallel=D,
+            verbose=False)
+        km = tfmulti.keras.distributed(pipe)
+        # Two steps per call over 3-step epochs: a full and a short chunk.
+        km.compile(metrics=["sparse_categorical_accuracy"],
+                   steps_per_execution=2)
+        backup_dir = f"{ckpt_dir}/keras_{case.replace(':', '_')}"
+        history = km.fit(
+            dataset(), epochs=KERAS_EPOCHS, steps_per_epoch=STEPS, verbose=0,
+            callbacks=[tfmulti.keras.BackupAndRestore(
+                backup_dir, delete_on_end=False)])
+        evaluated = km.evaluate(dataset(), verbose=0, return_dict=True)
+        predictions = km.predict(data()[0][0], verbose=0)
+        g = golden_run
+        results[case] = {
+            "weight_diff": _max_diff(km.get_weights(), g["weights"]),
+            "loss_diff": _max_diff(history.history["loss"],
+                                   g["history"]["loss"]),
+            "losses": history.history["loss"],
+            "golden_losses": g["history"]["loss"],
+            "accuracy_diff": _max_diff(
+                history.history["sparse_categorical_accuracy"],
+                g["history"]["sparse_categorical_accuracy"]),
+            "evaluate_diff": max(abs(evaluated[k] - g["evaluate"][k])
+                                 for k in g["evaluate"]),
+            "predict_diff": _max_diff([predictions], [g["predictions"]]),
+            "group_diff": max([0.0] + [
+                _max_diff([v.numpy() for v in pipe._trainable[0][s]],
+                          [v.numpy() for v in pipe._trainable[d][s]])
+                for d in range(1, D) for s in range(S)]),
+            "steps": int(km.optimizer.iterations.numpy()),
+        }
+    # The last case's backup, restored by the Trainer over a new pipeline:
+    # it trains nothing more (step 6 of 6), predicts as `km` did and holds
+    # the same optimizer state.
+    trainer_pipe = pipeline.PipelinedModel(
+        make_model("mlp"), optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=loss_fn(), num_stages=S, micro_batches=M, data_parallel=D,
+        verbose=False)
+    # A copy: pipeline_restore.py resumes the original with one-device fit.
+    trainer_dir = shutil.copytree(backup_dir, f"{backup_dir}_trainer")
+    trainer = tfmulti.Trainer(trainer_pipe, model_dir=trainer_dir)
+    restored = trainer.fit(dataset().repeat(), steps=KERAS_EPOCHS * STEPS,
+                           verbose=0)
+    results[case]["trainer_steps_run"] = len(restored["step_loss"])
+    results[case]["trainer_predict_diff"] = _max_diff(
+        [trainer_pipe.predict(data()[0][0])], [predictions])
+    results[case]["trainer_optimizer_diff"] = _max_diff(
+        [v.numpy() for v in trainer._pipeline.optimizer_view.variables],
+        [v.numpy() for v in pipe.checkpoint_optimizer()[0].variables])
+    # One more epoch's steps (the backup has no iterator: the Trainer skips
+    # the 6 batches used) reach plain Keras's weights after epoch 3.
+    trainer.fit(dataset().repeat(), steps=(KERAS_EPOCHS + 1) * STEPS,
+                verbose=0)
+    results[case]["trainer_next_epoch_weight_diff"] = _max_diff(
+        trainer_pipe.model.get_weights(), g["next_epoch_weights"])
+    np.save(f"{ckpt_dir}/keras_predictions.npy", predictions)
+    np.savez(f"{ckpt_dir}/keras_next_epoch_weights.npz",
+             *g["next_epoch_weights"])
+    results["backup_dir"] = backup_dir
+    results["refusals"] = keras_refusals(pipe, km)
+    return results
+
+
 def main():
     global DEVICES
     DEVICES = tfmulti.simulate_devices(8)
@@ -262,6 +401,7 @@ def main():
     trainer_results = trainer_cases(TRAINER_CASES, goldens, ckpt_dir)
     results.append(interchange(cases[-1], ckpt_dir))
     results[-1]["trainer"] = trainer_results
+    results[-1]["keras"] = keras_cases(KERAS_CASES, ckpt_dir)
     print(json.dumps(results[-1]))
     for r in results[:-1]:
         print(json.dumps({k: r[k] for k in ("case", "cuts", "loss_diff",

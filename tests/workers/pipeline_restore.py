@@ -1,6 +1,6 @@
 """One device, one process: a pipelined checkpoint predicts as it did.
 
-Usage: pipeline_restore.py CKPT_DIR OUT.json
+Usage: pipeline_restore.py CKPT_DIR OUT.json KERAS_BACKUP_DIR
 """
 
 import json
@@ -46,6 +46,47 @@ def resume_trainer_checkpoint(ckpt_dir):
     }
 
 
+def resume_keras_backup(ckpt_dir, backup_dir):
+    """One-device Keras fit (tfmulti.keras.distributed) resumes the backup
+    that Keras fit of the S=2, M=2, D=2 pipeline wrote after epoch 2: it
+    predicts as the pipeline did, then epoch 3 reaches plain Keras's
+    weights."""
+    import tfmulti
+    strategy = tfmulti.create_strategy("one_device")
+    with strategy.scope():
+        model = pipeline_golden.make_model("mlp")
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+    tfmulti.keras.distributed(model)
+    epochs = pipeline_golden.KERAS_EPOCHS
+
+    def fit(until):
+        return model.fit(
+            pipeline_golden.dataset(), epochs=until,
+            steps_per_epoch=pipeline_golden.STEPS, verbose=0,
+            callbacks=[tfmulti.keras.BackupAndRestore(
+                backup_dir, delete_on_end=False)])
+
+    restored = fit(epochs)  # restores epoch 2 of 2: trains nothing
+    predicted = model.predict(pipeline_golden.data()[0][0], verbose=0)
+    want = np.load(f"{ckpt_dir}/keras_predictions.npy")
+    fit(epochs + 1)
+    golden = np.load(f"{ckpt_dir}/keras_next_epoch_weights.npz")
+    golden = [golden[f"arr_{i}"] for i in range(len(golden.files))]
+    return {
+        "keras_epochs_run_after_restore": len(restored.history.get(
+            "loss", [])),
+        "keras_checkpoint_prediction_diff": float(np.max(np.abs(
+            predicted - want))),
+        "keras_resumed_weight_diff": max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(model.get_weights(), golden)),
+        "keras_final_step": int(model.optimizer.iterations.numpy()),
+    }
+
+
 def main():
     ckpt_dir, out = sys.argv[1], sys.argv[2]
     with tf.device("/CPU:0"):
@@ -57,6 +98,7 @@ def main():
     result = {"pipelined_to_single_diff": float(np.max(np.abs(got - want))),
               "devices": sorted(devices)}
     result.update(resume_trainer_checkpoint(ckpt_dir))
+    result.update(resume_keras_backup(ckpt_dir, sys.argv[3]))
     print(json.dumps(result))
     with open(out, "w") as f:
         json.dump(result, f)

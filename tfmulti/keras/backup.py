@@ -23,6 +23,7 @@ import keras
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat
 from tfmulti.keras import fit as fit_lib
+from tfmulti.keras import pipelined as pipelined_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
@@ -97,11 +98,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             with strategy.scope():
                 model.optimizer.build(model.trainable_variables)
+        # A pipelined model saves its stage optimizers in the unsplit
+        # optimizer's format, as the Trainer does.
+        optimizer, after_restore = pipelined_lib.checkpoint_optimizer(model)
         self._checkpointer = checkpoints_lib.Checkpointer(
             self.backup_dir, strategy, keep=2, model=model,
-            optimizer=model.optimizer)
+            optimizer=optimizer)
         try:
             position = self._checkpointer.restore()
+            if position is not None and after_restore is not None:
+                after_restore()
             if cluster_lib.of_strategy(strategy).num_workers > 1:
                 checkpoints_lib.check_workers_agree(strategy, position)
         except BaseException:

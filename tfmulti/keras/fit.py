@@ -365,9 +365,14 @@ def distributed(model, *, grad_accum_steps: int = 1,
     Keras would restart `ds`. Pass a new dataset object to start over;
     finite datasets restart every epoch, as in Keras (`fit_input.py`).
 
+    A `tfmulti.pipeline.PipelinedModel` is taken too: the result is its
+    unsplit model, compiled, whose `fit` runs the pipelined step
+    (`tfmulti.keras.pipelined`).
+
     Args:
       model: a Keras 3 model built and compiled under a strategy's scope
-        (`tfmulti.create_strategy`: one_device, mirrored or multi_worker).
+        (`tfmulti.create_strategy`: one_device, mirrored or multi_worker),
+        or a PipelinedModel.
       grad_accum_steps: K batches per optimizer update, one all-reduce.
       clip_global_norm: clip the REDUCED gradient to this global norm.
       allreduce_dtype: None, "float16" or "bfloat16": gradients on the wire.
@@ -388,6 +393,14 @@ def distributed(model, *, grad_accum_steps: int = 1,
         overrides `train_step`, its
         optimizer uses `gradient_accumulation_steps`, or an option is bad.
     """
+    from tfmulti.keras import pipelined
+    from tfmulti.pipeline import trainer_adapter
+    if trainer_adapter.is_pipelined(model):
+        return pipelined.distributed(
+            model, grad_accum_steps=grad_accum_steps,
+            clip_global_norm=clip_global_norm,
+            allreduce_dtype=allreduce_dtype, jit_compile=jit_compile,
+            sync=sync, compression=compression)
     _check_model(model)
     options = step_lib.GradientOptions(
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,

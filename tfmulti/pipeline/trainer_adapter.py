@@ -24,23 +24,19 @@ def is_pipelined(model) -> bool:
 
 
 def refuse_keras_fit(model) -> None:
-    """Raises if `model` is a PipelinedModel or the model inside one.
+    """Raises if `model` is the model inside a PipelinedModel.
 
-    Keras `fit` runs one `train_step` on one whole model per replica; the
-    pipeline's step runs stages and micro-batches on their own devices, so
-    `tfmulti.keras.distributed` does not take it: the Trainer does.
+    `tfmulti.keras.distributed` takes the PipelinedModel itself (its step
+    runs stages and micro-batches on their own devices); given the model
+    inside, it would run the whole model per replica.
     """
-    pipelined = is_pipelined(model) or getattr(
-        model, model_lib.PIPELINED_MARK, False)
-    if pipelined:
+    if not is_pipelined(model) and getattr(model, model_lib.PIPELINED_MARK,
+                                           False):
         raise ValueError(
-            f"`model` {getattr(model, 'name', type(model).__name__)!r} is "
-            "pipelined (tfmulti.pipeline.PipelinedModel), which Keras "
-            "`model.fit` through `tfmulti.keras.distributed` cannot train: "
-            "Keras runs the whole model per replica. Train it with "
-            "`tfmulti.Trainer(pipe, model_dir=...).fit(dataset, steps=N)`: "
-            "same checkpoints, evaluation, callbacks and preemption "
-            "handling.")
+            f"`model` {model.name!r} is the model inside a "
+            "tfmulti.pipeline.PipelinedModel, which Keras `fit` would run "
+            "whole, per replica. Pass the PipelinedModel itself: "
+            "`km = tfmulti.keras.distributed(pipe)`, then `km.fit(...)`.")
 
 
 def _refuse(name, value, default, why):
@@ -107,6 +103,41 @@ class TrainerAdapter:
         self.optimizer_view, self.optimizer_layout = (
             pipe.checkpoint_optimizer())
 
+    def step_on_batch(self, batch, *, global_batch_size=None):
+        """One pipelined update on `batch`, inside a `tf.function`.
+
+        The one per-batch step of both entry points: the Trainer's loop and
+        Keras `fit` (`tfmulti.keras.pipelined`).
+
+        Args:
+          batch: `(x, y)`; sample weights are refused.
+          global_batch_size: the batch's size; None reads the static size
+            of the first input.
+
+        Returns:
+          `(loss, y, outputs)`: the mean loss over the global batch, the
+          targets, and the model's output on the batch (in batch order).
+        """
+        x, y, sample_weight = step_lib.unpack_batch(batch)
+        if sample_weight is not None:
+            raise ValueError(
+                "The training batches carry sample weights, which a "
+                "PipelinedModel does not apply (its loss averages every "
+                "example of the global batch). Map the dataset to (x, y) "
+                "batches.")
+        xs = [tf.convert_to_tensor(t) for t in keras.tree.flatten(x)]
+        if global_batch_size is None:
+            global_batch_size = xs[0].shape[0]
+            if global_batch_size is None:
+                raise ValueError(
+                    "The training batches have no static size (input spec "
+                    f"{xs[0].shape}); a PipelinedModel splits each batch "
+                    "into equal micro-batches when the step is traced. "
+                    "Batch the dataset with drop_remainder=True.")
+        step = self.pipe.train_step_fn(int(global_batch_size))
+        loss, outputs = step(xs, y)
+        return loss, y, outputs
+
     def train_loop(self, global_batch_size, *, metrics=()):
         """`train(iterator, num_steps)` as `loop.create_train_loop` builds
         it: per-step losses, and `{name: result}` with `metrics`.
@@ -115,19 +146,12 @@ class TrainerAdapter:
         and micro-batch inside one function, so a loop around it adds one
         call overhead per (long) step.
         """
-        step = self.pipe.train_step_fn(global_batch_size)
+        self.pipe.train_step_fn(global_batch_size)  # checks the batch now
 
         @tf.function
         def one_step(iterator):
-            x, y, sample_weight = step_lib.unpack_batch(next(iterator))
-            if sample_weight is not None:
-                raise ValueError(
-                    "The training batches carry sample weights, which a "
-                    "PipelinedModel does not apply (its loss averages every "
-                    "example of the global batch). Map the dataset to (x, y) "
-                    "batches.")
-            loss, outputs = step([tf.convert_to_tensor(t) for t in
-                                  keras.tree.flatten(x)], y)
+            loss, y, outputs = self.step_on_batch(
+                next(iterator), global_batch_size=global_batch_size)
             for metric in metrics:
                 metric.update_state(y, outputs)
             return loss

@@ -147,17 +147,22 @@ class Checkpointer:
         worker reads it, so it must be on storage all workers see).
       strategy: the strategy (decides who is chief).
       keep: checkpoints kept (plus the newest saved at a finite loss).
+      optional: names of `trackables` a checkpoint may lack (restored when
+        present; `.missing` lists those the restored one lacked), e.g. the
+        Trainer's data iterator in a checkpoint Keras `fit` wrote.
       **trackables: what to save besides the position, e.g. model=,
         optimizer=; later features add their own.
     """
 
     def __init__(self, model_dir: str, strategy, *, keep: int = _KEEP,
-                 **trackables):
+                 optional: tuple[str, ...] = (), **trackables):
         self._model_dir = os.fspath(model_dir)
         self._cluster = cluster_lib.of_strategy(strategy)
         self._chief = self._cluster.is_chief
         self._keep = keep
         self._trackables = trackables
+        self._optional = tuple(optional)
+        self.missing = ()
         self._state = _PositionState()
         self.checkpoint = tf.train.Checkpoint(position=self._state,
                                               **trackables)
@@ -221,7 +226,7 @@ class Checkpointer:
         for _, path in reversed(self.checkpoints()):
             try:
                 with compat.readable_checkpoint(path) as readable:
-                    self.checkpoint.restore(
+                    self._checkpoint_for(readable).restore(
                         readable).assert_existing_objects_matched()
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 failures.append((path, e))
@@ -252,6 +257,22 @@ class Checkpointer:
             + ". They are damaged (storage fault or a copy cut short); "
             "restore them from a backup, or use a new `model_dir` to start "
             "over.") from e
+
+    def _checkpoint_for(self, readable):
+        """The checkpoint object to restore `readable` into: without the
+        optional trackables it lacks (listed in `.missing`)."""
+        self.missing = ()
+        if not self._optional:
+            return self.checkpoint
+        saved = {key.split("/", 1)[0] for key in tf.train.load_checkpoint(
+            readable).get_variable_to_shape_map()}
+        self.missing = tuple(n for n in self._optional
+                             if n in self._trackables and n not in saved)
+        if not self.missing:
+            return self.checkpoint
+        return tf.train.Checkpoint(position=self._state, **{
+            k: v for k, v in self._trackables.items()
+            if k not in self.missing})
 
     def restore_latest(self) -> str | None:
         """Restores the newest intact checkpoint; returns its path or None."""

@@ -386,7 +386,9 @@ class Trainer:
             **self._reducer.trackables())
         if compat.is_trackable(iterator):
             trackables["iterator"] = iterator
+        # Optional: a checkpoint Keras `fit` wrote has no iterator.
         return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
+                                             optional=("iterator",),
                                              **trackables),
                 "iterator" in trackables)
 
@@ -423,7 +425,8 @@ class Trainer:
                 f"{position.global_batch_size} (the per-replica batch is "
                 "recomputed for the replicas you have), or use a new "
                 "`model_dir`.")
-        if not saves_iterator and fresh_iterator:
+        if (not saves_iterator or "iterator" in checkpointer.missing) and (
+                fresh_iterator):
             # Distributed iterators cannot be checkpointed: replay the
             # batches the restored updates consumed, so a deterministic
             # pipeline continues where it stopped. Counted in examples, so

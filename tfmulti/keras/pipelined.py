@@ -1,0 +1,210 @@
+"""Keras `fit`, `evaluate` and `predict` of a `PipelinedModel`.
+
+`tfmulti.keras.distributed(pipe)` returns `pipe.model` (the unsplit model,
+whose variables group 0 of the pipeline trains in place) compiled with the
+pipeline's optimizer, and with three instance attributes that Keras's own
+TensorFlow trainer calls: `train_step` runs the pipelined step
+(`TrainerAdapter.step_on_batch`, the Trainer's too: stages on their devices,
+M micro-batches, D groups), `test_step` and `predict_step` run the forward
+pass stage by stage. Everything else is Keras's: epochs, `steps_per_epoch`,
+`steps_per_execution`, callbacks, History, the loss tracker and compiled
+metrics. The pipeline runs under TensorFlow's default strategy (its devices
+are its own), where Keras's train function has none of the MirroredStrategy
+defects `tfmulti.keras.fit` works around.
+
+Checkpoints (`tfmulti.keras.BackupAndRestore`) save the unsplit model and
+the pipeline's optimizer view (`pipeline/checkpoint.py`), the Trainer's
+format: they resume under the Trainer and in a one-device process.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import keras
+import tensorflow as tf
+
+from tfmulti import compat
+from tfmulti.pipeline import trainer_adapter
+from tfmulti.training import step as step_lib
+
+# The instance attribute holding the TrainerAdapter on the unsplit model.
+_STATE = "_tfmulti_pipelined_fit"
+
+
+def adapter_of(model):
+    """The `TrainerAdapter` of a model made by `distributed(pipe)`, or
+    None."""
+    return getattr(model, _STATE, None)
+
+
+def checkpoint_optimizer(model):
+    """What to save as `optimizer=` for `model`, and what to call after a
+    restore: the pipeline's optimizer view and its re-sync for a pipelined
+    model, else `(model.optimizer, None)`."""
+    adapter = adapter_of(model)
+    if adapter is None:
+        return model.optimizer, None
+    return adapter.optimizer_view, adapter.after_restore
+
+
+def _refuse(name, value, default, fix):
+    if value != default:
+        raise ValueError(
+            f"`{name}`={value!r} is not supported for a PipelinedModel "
+            f"trained with Keras `fit`; {fix}")
+
+
+def _compile(model, optimizer=None, loss=None, *, metrics=None,
+             steps_per_execution=1, jit_compile=False, run_eagerly=False,
+             loss_weights=None, weighted_metrics=None, auto_scale_loss=True):
+    """`model.compile` for a pipelined model: metrics and
+    `steps_per_execution` are the caller's; the optimizer and loss are the
+    PipelinedModel's."""
+    adapter = adapter_of(model)
+    pipe = adapter.pipe
+    if optimizer is not None and optimizer is not adapter.optimizer:
+        raise ValueError(
+            f"`optimizer`={optimizer!r} was given to compile, but a "
+            "PipelinedModel updates each stage with its own copy of the "
+            "optimizer it was made with. Pass the optimizer to "
+            "PipelinedModel(...) and leave `optimizer` out of compile.")
+    if loss is not None and loss is not pipe.loss:
+        raise ValueError(
+            f"`loss`={loss!r} was given to compile, but the PipelinedModel "
+            "computes its loss on the last stage. Pass the loss to "
+            "PipelinedModel(...) and leave `loss` out of compile.")
+    _refuse("jit_compile", jit_compile, False,
+            "the stages run as separate device functions, not one XLA "
+            "cluster. Leave `jit_compile` at False.")
+    _refuse("loss_weights", loss_weights, None,
+            "the pipeline computes one loss. Leave `loss_weights` at None.")
+    _refuse("weighted_metrics", weighted_metrics, None,
+            "the pipeline takes no sample weights. Use `metrics`.")
+    if not isinstance(steps_per_execution, int) or isinstance(
+            steps_per_execution, bool) or steps_per_execution < 1:
+        raise ValueError(f"`steps_per_execution` should be a positive int, "
+                         f"got {steps_per_execution!r}.")
+    # The loss is computed by the pipeline (training) and `_test_step`:
+    # Keras's compiled loss would need a reducing loss, the pipeline takes
+    # per-example losses. No loss scaling: the stage optimizers are plain.
+    type(model).compile(
+        model, optimizer=adapter.optimizer, loss=None, metrics=metrics,
+        steps_per_execution=steps_per_execution, jit_compile=False,
+        run_eagerly=run_eagerly, auto_scale_loss=False)
+
+
+def _track(model, loss, x, y, y_pred):
+    """The loss tracker and compiled metrics, as Keras's steps update
+    them."""
+    batch = tf.shape(keras.tree.flatten(x)[0])[0]
+    compat.loss_tracker(model).update_state(loss, sample_weight=batch)
+    return model.compute_metrics(x, y, y_pred, sample_weight=None)
+
+
+def _train_step(model, data):
+    loss, y, outputs = adapter_of(model).step_on_batch(data)
+    x = step_lib.unpack_batch(data)[0]
+    return _track(model, loss, x, y, outputs)
+
+
+def _test_step(model, data):
+    x, y, sample_weight = step_lib.unpack_batch(data)
+    if sample_weight is not None:
+        raise ValueError(
+            "The evaluation batches carry sample weights, which a "
+            "PipelinedModel's evaluation does not apply. Map the dataset to "
+            "(x, y) batches.")
+    adapter = adapter_of(model)
+    y_pred = adapter.forward(x)
+    # What Keras's compiled loss gives one device: the batch mean of the
+    # per-example loss, plus the regularisation losses.
+    loss = tf.reduce_mean(adapter.pipe.loss(y, y_pred))
+    if model.losses:
+        loss += tf.add_n(model.losses)
+    return _track(model, loss, x, y, y_pred)
+
+
+def _predict_step(model, data):
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    return adapter_of(model).forward(x)
+
+
+def _check_training_data(pipe, x):
+    if not isinstance(x, tf.data.Dataset):
+        raise ValueError(
+            f"`x` is a {type(x).__name__}; Keras `fit` of a PipelinedModel "
+            "trains from a tf.data.Dataset of (x, y) batches of a fixed "
+            "size (batch(..., drop_remainder=True)), which the pipeline "
+            "splits into micro-batches. Pass such a dataset.")
+    spec = keras.tree.flatten(x.element_spec)[0]
+    size = spec.shape[0] if spec.shape.rank else None
+    if size is None:
+        raise ValueError(
+            f"`x` yields batches of no static size (element_spec "
+            f"{x.element_spec}); the pipeline splits each batch into equal "
+            "micro-batches. Batch the dataset with drop_remainder=True.")
+    pipe.train_step_fn(int(size))  # raises if M x D does not divide it
+
+
+def _fit(model, *args, **kwargs):
+    bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
+    arguments = bound.arguments
+    for name, fix in (
+            ("class_weight", "the pipeline's loss averages every example "
+             "equally. Leave `class_weight` at None."),
+            ("sample_weight", "the pipeline's loss averages every example "
+             "equally. Leave `sample_weight` at None."),
+            ("validation_split", "pass `validation_data` instead.")):
+        default = inspect.signature(type(model).fit).parameters[name].default
+        _refuse(name, arguments.get(name, default), default, fix)
+    adapter = adapter_of(model)
+    _check_training_data(adapter.pipe, arguments.get("x"))
+    # Keras ignores it for datasets, and warns when it is True (its
+    # default).
+    arguments.setdefault("shuffle", False)
+    if adapter.optimizer is not model.optimizer:
+        raise ValueError(
+            f"`model` {model.name!r} was compiled with another optimizer "
+            f"({model.optimizer!r}) than its PipelinedModel's; compile it "
+            "without `optimizer`.")
+    # Weights set or loaded into the model since the last fit reach the
+    # other data-parallel groups.
+    adapter.pipe.sync_groups()
+    return type(model).fit(*bound.args, **bound.kwargs)
+
+
+def distributed(pipe, *, grad_accum_steps, clip_global_norm, allreduce_dtype,
+                jit_compile, sync, compression) -> keras.Model:
+    """`tfmulti.keras.distributed` for a `PipelinedModel` (see there).
+
+    Returns:
+      `pipe.model`, compiled with the pipeline's optimizer (no metrics,
+      `steps_per_execution`=1). Compile it again for metrics or
+      `steps_per_execution`: `km.compile(metrics=[...],
+      steps_per_execution=K)`, without optimizer or loss.
+
+    Raises:
+      ValueError: an option the pipelined step does not implement, named.
+    """
+    adapter = trainer_adapter.TrainerAdapter(
+        pipe, optimizer=None, loss=None, strategy=None,
+        grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
+        allreduce_dtype=allreduce_dtype, mixed_precision=None,
+        on_nonfinite="raise", jit_compile=jit_compile)
+    for name, value in (("sync", sync), ("compression", compression)):
+        _refuse(name, value, None,
+                "the pipeline sums its groups' gradients every step. Pass "
+                f"`{name}`=None.")
+    model = pipe.model
+    setattr(model, _STATE, adapter)
+    # Instance attributes shadow the class's methods for this model only;
+    # Keras's trainer looks them up when it makes its functions.
+    model.compile = functools.partial(_compile, model)
+    model.train_step = functools.partial(_train_step, model)
+    model.test_step = functools.partial(_test_step, model)
+    model.predict_step = functools.partial(_predict_step, model)
+    model.fit = functools.partial(_fit, model)
+    model.compile()
+    return model
