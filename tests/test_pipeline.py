@@ -75,6 +75,7 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
     # plain one-device Keras fit's per-epoch losses, accuracy, weights,
     # evaluation and predictions.
     keras_fit = interchange["keras"]
+    print(f"Keras fit part of the worker: {keras_fit['seconds']:.1f} s")
     for case in ("2:2:1", "2:2:2"):
         r = keras_fit[case]
         print("Keras fit", case, {k: v for k, v in r.items()
@@ -94,6 +95,11 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
     assert r["trainer_predict_diff"] < 1e-6, r
     assert r["trainer_optimizer_diff"] == 0.0, r
     assert r["trainer_next_epoch_weight_diff"] < TOLERANCE, r
+    # The reverse: the Trainer's step-9 checkpoint resumed by Keras fit of
+    # a new pipeline at epoch 3 of 3.
+    assert r["from_trainer_epochs_run"] == 0, r
+    assert r["from_trainer_step"] == 9, r
+    assert r["from_trainer_weight_diff"] < TOLERANCE, r
     said = keras_fit["refusals"]
     assert sorted(said) == sorted([
         "class_weight", "jit_compile", "optimizer", "x", "drop_remainder",
@@ -117,6 +123,7 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
     run_python(["tests/workers/pipeline_restore.py", str(tmp_path),
                 str(restored), keras_fit["backup_dir"]], timeout=180)
     restored = json.loads(restored.read_text())
+    print(f"one-device Keras resume: {restored['keras_seconds']:.1f} s")
     assert restored["devices"] == ["CPU:0"]
     assert restored["pipelined_to_single_diff"] < TOLERANCE
     # A one-device Trainer resumes the pipelined Trainer's step-2 checkpoint

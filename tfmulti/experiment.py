@@ -297,9 +297,10 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     if config.pipeline_stages > 1 and loop != "trainer":
         raise ConfigError(
             f"`pipeline_stages`={config.pipeline_stages} needs the Trainer "
-            f"loop, but this recipe runs `loop`={loop!r} (Keras fit, which "
-            "runs the whole model per replica). Run `python -m "
-            "recipes.custom_loop` with the same flags.",
+            f"loop, but this recipe runs `loop`={loop!r} (its Keras fit "
+            "feeds distributed datasets and padded, weighted evaluation "
+            "batches, which a pipelined model does not take). Run `python "
+            "-m recipes.custom_loop` with the same flags.",
             flag="pipeline_stages")
     run = _open_run_dir(config, loop)
     model_dir = run.path

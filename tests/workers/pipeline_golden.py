@@ -12,6 +12,7 @@ process), and a one-device checkpoint loads into a fresh pipelined model.
 import json
 import shutil
 import sys
+import time
 
 import keras
 import numpy as np
@@ -384,6 +385,22 @@ def keras_cases(cases, ckpt_dir):
                 verbose=0)
     results[case]["trainer_next_epoch_weight_diff"] = _max_diff(
         trainer_pipe.model.get_weights(), g["next_epoch_weights"])
+    # The reverse: the Trainer's step-9 checkpoint, resumed by Keras fit of
+    # a new pipeline, is epoch 3 of 3: nothing left, plain Keras's weights.
+    reverse_dir = shutil.copytree(trainer_dir, f"{backup_dir}_reverse")
+    reverse = tfmulti.keras.distributed(pipeline.PipelinedModel(
+        make_model("mlp"), optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=loss_fn(), num_stages=S, micro_batches=M, data_parallel=D,
+        verbose=False))
+    history = reverse.fit(
+        dataset(), epochs=KERAS_EPOCHS + 1, steps_per_epoch=STEPS, verbose=0,
+        callbacks=[tfmulti.keras.BackupAndRestore(reverse_dir)])
+    results[case]["from_trainer_epochs_run"] = len(history.history.get(
+        "loss", []))
+    results[case]["from_trainer_step"] = int(
+        reverse.optimizer.iterations.numpy())
+    results[case]["from_trainer_weight_diff"] = _max_diff(
+        reverse.get_weights(), g["next_epoch_weights"])
     np.save(f"{ckpt_dir}/keras_predictions.npy", predictions)
     np.savez(f"{ckpt_dir}/keras_next_epoch_weights.npz",
              *g["next_epoch_weights"])
@@ -401,7 +418,9 @@ def main():
     trainer_results = trainer_cases(TRAINER_CASES, goldens, ckpt_dir)
     results.append(interchange(cases[-1], ckpt_dir))
     results[-1]["trainer"] = trainer_results
+    start = time.perf_counter()
     results[-1]["keras"] = keras_cases(KERAS_CASES, ckpt_dir)
+    results[-1]["keras"]["seconds"] = time.perf_counter() - start
     print(json.dumps(results[-1]))
     for r in results[:-1]:
         print(json.dumps({k: r[k] for k in ("case", "cuts", "loss_diff",

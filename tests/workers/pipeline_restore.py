@@ -5,6 +5,7 @@ Usage: pipeline_restore.py CKPT_DIR OUT.json KERAS_BACKUP_DIR
 
 import json
 import sys
+import time
 
 import keras
 import numpy as np
@@ -98,7 +99,9 @@ def main():
     result = {"pipelined_to_single_diff": float(np.max(np.abs(got - want))),
               "devices": sorted(devices)}
     result.update(resume_trainer_checkpoint(ckpt_dir))
+    start = time.perf_counter()
     result.update(resume_keras_backup(ckpt_dir, sys.argv[3]))
+    result["keras_seconds"] = time.perf_counter() - start
     print(json.dumps(result))
     with open(out, "w") as f:
         json.dump(result, f)

@@ -56,6 +56,17 @@ def _refuse(name, value, default, fix):
             f"trained with Keras `fit`; {fix}")
 
 
+def _reducing(loss):
+    """The pipeline's per-example loss as Keras compiles a loss: averaged
+    over the batch. Evaluation computes it (`_test_step`), and a `.keras`
+    file of the model keeps it, so the file trains when loaded."""
+    if isinstance(loss, keras.losses.Loss):
+        config = loss.get_config()
+        config["reduction"] = "sum_over_batch_size"
+        return type(loss).from_config(config)
+    return loss  # a function of per-example losses: Keras averages it
+
+
 def _compile(model, optimizer=None, loss=None, *, metrics=None,
              steps_per_execution=1, jit_compile=False, run_eagerly=False,
              loss_weights=None, weighted_metrics=None, auto_scale_loss=True):
@@ -80,50 +91,41 @@ def _compile(model, optimizer=None, loss=None, *, metrics=None,
             "cluster. Leave `jit_compile` at False.")
     _refuse("loss_weights", loss_weights, None,
             "the pipeline computes one loss. Leave `loss_weights` at None.")
-    _refuse("weighted_metrics", weighted_metrics, None,
-            "the pipeline takes no sample weights. Use `metrics`.")
     if not isinstance(steps_per_execution, int) or isinstance(
             steps_per_execution, bool) or steps_per_execution < 1:
         raise ValueError(f"`steps_per_execution` should be a positive int, "
                          f"got {steps_per_execution!r}.")
-    # The loss is computed by the pipeline (training) and `_test_step`:
-    # Keras's compiled loss would need a reducing loss, the pipeline takes
-    # per-example losses. No loss scaling: the stage optimizers are plain.
+    # No loss scaling: the stage optimizers are plain.
     type(model).compile(
-        model, optimizer=adapter.optimizer, loss=None, metrics=metrics,
+        model, optimizer=adapter.optimizer, loss=_reducing(pipe.loss),
+        metrics=metrics, weighted_metrics=weighted_metrics,
         steps_per_execution=steps_per_execution, jit_compile=False,
         run_eagerly=run_eagerly, auto_scale_loss=False)
 
 
-def _track(model, loss, x, y, y_pred):
-    """The loss tracker and compiled metrics, as Keras's steps update
-    them."""
+def _track_loss(model, x, loss):
+    """The "loss" Keras reports: the batch mean, weighted by batch size."""
     batch = tf.shape(keras.tree.flatten(x)[0])[0]
     compat.loss_tracker(model).update_state(loss, sample_weight=batch)
-    return model.compute_metrics(x, y, y_pred, sample_weight=None)
 
 
 def _train_step(model, data):
+    # Keras's `train_step` updates these after its update: the loss
+    # tracker with the batch's mean loss, the compiled metrics.
     loss, y, outputs = adapter_of(model).step_on_batch(data)
     x = step_lib.unpack_batch(data)[0]
-    return _track(model, loss, x, y, outputs)
+    _track_loss(model, x, loss)
+    return model.compute_metrics(x, y, outputs, sample_weight=None)
 
 
 def _test_step(model, data):
-    x, y, sample_weight = step_lib.unpack_batch(data)
-    if sample_weight is not None:
-        raise ValueError(
-            "The evaluation batches carry sample weights, which a "
-            "PipelinedModel's evaluation does not apply. Map the dataset to "
-            "(x, y) batches.")
-    adapter = adapter_of(model)
-    y_pred = adapter.forward(x)
-    # What Keras's compiled loss gives one device: the batch mean of the
-    # per-example loss, plus the regularisation losses.
-    loss = tf.reduce_mean(adapter.pipe.loss(y, y_pred))
-    if model.losses:
-        loss += tf.add_n(model.losses)
-    return _track(model, loss, x, y, y_pred)
+    # Keras's `test_step`, with the forward pass stage by stage.
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    y_pred = adapter_of(model).forward(x)
+    loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                              sample_weight=sample_weight, training=False)
+    _track_loss(model, x, loss)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 def _predict_step(model, data):

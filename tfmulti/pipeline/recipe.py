@@ -5,8 +5,9 @@ here: the example CNN is cut into S stages over the devices (D = devices // S
 data-parallel groups) and trained by `tfmulti.Trainer`, on the same TFDS
 input pipeline, with the same checkpoints in `model_dir`, evaluation every
 epoch, config.json and metrics.json as the unsplit Trainer run. Only the
-custom-loop recipe takes it (`experiment` refuses it for Keras `fit`, which
-cannot run a model in stages).
+custom-loop recipe takes it (`experiment` refuses it for its Keras `fit`
+loop, whose distributed and padded evaluation input a pipeline does not
+take; the library's `tfmulti.keras.distributed(pipe)` trains one).
 """
 
 from __future__ import annotations
