@@ -206,3 +206,23 @@ def test_schedules_by_steps_seconds_loops_and_exact_boundaries():
         S(every_steps=0)
     with pytest.raises(ValueError, match="`exact` needs `every_steps`"):
         S(exact=True)
+
+
+def test_an_optional_trackable_the_checkpoint_lacks_is_reported(tmp_path):
+    # Keras fit's checkpoints hold no data iterator; the Trainer's do when
+    # its iterator is trackable (a PipelinedModel's, under the default
+    # strategy): it restores the rest and skips the batches used.
+    variable = tf.Variable(3.0)
+    with Checkpointer(str(tmp_path), STRATEGY, weights=variable) as writer:
+        writer.save(Position(step=2))
+    variable.assign(0.0)
+    iterator = iter(tf.data.Dataset.range(5))
+    with Checkpointer(str(tmp_path), STRATEGY, weights=variable,
+                      iterator=iterator) as strict:
+        with pytest.raises(ValueError, match="does not match"):
+            strict.restore()
+    with Checkpointer(str(tmp_path), STRATEGY, optional=("iterator",),
+                      weights=variable, iterator=iterator) as reader:
+        assert reader.restore().step == 2
+        assert reader.missing == ("iterator",)
+    assert float(variable.numpy()) == 3.0
