@@ -271,8 +271,8 @@ def keras_golden():
             optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["sparse_categorical_accuracy"])
-        history = model.fit(dataset(), epochs=KERAS_EPOCHS, steps_per_epoch=STEPS,
-                            verbose=0)
+        history = model.fit(dataset(), epochs=KERAS_EPOCHS,
+                            steps_per_epoch=STEPS, verbose=0)
         result = {
             "history": history.history, "weights": model.get_weights(),
             "evaluate": model.evaluate(dataset(), verbose=0,

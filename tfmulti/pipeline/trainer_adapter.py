@@ -1,4 +1,5 @@
-"""What `tfmulti.Trainer` needs to train a `PipelinedModel`.
+"""What `tfmulti.Trainer` (and Keras `fit`, `tfmulti.keras.pipelined`)
+needs to train a `PipelinedModel`.
 
 The Trainer keeps its controller, actions, checkpoints, evaluation,
 summaries, preemption handling and callbacks; only four things differ for a
