@@ -71,7 +71,8 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
     assert trainer["2:2:2"]["resume_weight_diff"] < 1e-6
     assert trainer["2:2:2"]["resume_loss_diff"] < 1e-6
     # Keras fit through tfmulti.keras.distributed(pipe) (S=2, M=2, D=1 and
-    # 2, steps_per_execution=2 over 3-step epochs, metrics, a backup):
+    # 2, steps_per_execution=2 over 3-step epochs, metrics, validation
+    # data, a backup):
     # plain one-device Keras fit's per-epoch losses, accuracy, weights,
     # evaluation and predictions.
     keras_fit = interchange["keras"]
@@ -84,6 +85,7 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
         assert r["weight_diff"] < TOLERANCE, r
         assert r["loss_diff"] < TOLERANCE, r
         assert r["accuracy_diff"] < TOLERANCE, r
+        assert r["val_loss_diff"] < TOLERANCE, r  # validation_data
         assert r["evaluate_diff"] < TOLERANCE, r  # stage by stage
         assert r["predict_diff"] < TOLERANCE, r
         assert r["group_diff"] == 0.0, r

@@ -272,7 +272,8 @@ def keras_golden():
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["sparse_categorical_accuracy"])
         history = model.fit(dataset(), epochs=KERAS_EPOCHS,
-                            steps_per_epoch=STEPS, verbose=0)
+                            steps_per_epoch=STEPS, verbose=0,
+                            validation_data=dataset())
         result = {
             "history": history.history, "weights": model.get_weights(),
             "evaluate": model.evaluate(dataset(), verbose=0,
@@ -338,6 +339,7 @@ def keras_cases(cases, ckpt_dir):
         backup_dir = f"{ckpt_dir}/keras_{case.replace(':', '_')}"
         history = km.fit(
             dataset(), epochs=KERAS_EPOCHS, steps_per_epoch=STEPS, verbose=0,
+            validation_data=dataset(),
             callbacks=[tfmulti.keras.BackupAndRestore(
                 backup_dir, delete_on_end=False)])
         evaluated = km.evaluate(dataset(), verbose=0, return_dict=True)
@@ -347,6 +349,8 @@ def keras_cases(cases, ckpt_dir):
             "weight_diff": _max_diff(km.get_weights(), g["weights"]),
             "loss_diff": _max_diff(history.history["loss"],
                                    g["history"]["loss"]),
+            "val_loss_diff": _max_diff(history.history["val_loss"],
+                                       g["history"]["val_loss"]),
             "losses": history.history["loss"],
             "golden_losses": g["history"]["loss"],
             "accuracy_diff": _max_diff(
