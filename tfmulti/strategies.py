@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import compat
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -37,6 +38,33 @@ def _keras_major() -> int:
     return int(keras.__version__.split(".")[0])
 
 
+class _KerasMirroredStrategy(tf.distribute.MirroredStrategy):
+    """MirroredStrategy that tells Keras 3 users what it cannot do right.
+
+    `run` warns once when Keras's own train step gets per-replica batches
+    of unequal or unknown size (each replica's mean loss is weighted 1/N);
+    `reduce` answers Keras's first-batch build when the global batch is not
+    divisible by the replicas, and refuses other callers with the shapes.
+    See `tfmulti.compat`.
+    """
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        compat.warn_if_keras_step_uneven(self, fn, args)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def reduce(self, reduce_op, value, axis=None):
+        if axis is None:
+            error = compat.unequal_shapes_error(self, value)
+            if error is not None:
+                if compat.called_by_keras_build():
+                    # Keras only needs a batch whose shapes build the model.
+                    return tf.nest.map_structure(
+                        lambda v: self.experimental_local_results(v)[0],
+                        value)
+                raise error
+        return super().reduce(reduce_op, value, axis=axis)
+
+
 class _KerasMultiWorkerMirroredStrategy(
         tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose `reduce` accepts what Keras 3 passes.
@@ -50,6 +78,10 @@ class _KerasMultiWorkerMirroredStrategy(
     nested structures and reduces rank-0 values across replicas only, which
     is what a mean over axis 0 of a scalar per replica means.
     """
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        compat.warn_if_keras_step_uneven(self, fn, args)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def reduce(self, reduce_op, value, axis=None):
         reduce_one = super().reduce
@@ -223,15 +255,20 @@ _KEY_BASES = itertools.count(0, 100_000)
 
 
 def _mirrored(devices, cross_device_ops):
-    cls = tf.distribute.MirroredStrategy
+    cls = (_KerasMirroredStrategy if _keras_major() >= 3
+           else tf.distribute.MirroredStrategy)
     previous = cls._collective_key_base
     # The extended strategy copies the class attribute when it is built;
     # TensorFlow's own tests separate strategies the same way.
     cls._collective_key_base = next(_KEY_BASES)
     try:
-        return cls(devices, cross_device_ops=cross_device_ops)
+        strategy = cls(devices, cross_device_ops=cross_device_ops)
     finally:
         cls._collective_key_base = previous
+    # Keras fit with steps_per_execution > 1 and lazily built optimizers
+    # in custom loops need trace-time collective keys (see compat).
+    compat.bind_collective_keys_at_trace_time(strategy)
+    return strategy
 
 
 def _mirrored_ops(all_reduce):

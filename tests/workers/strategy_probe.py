@@ -11,13 +11,21 @@ import tfmulti
 count = int(sys.argv[1])
 devices = tfmulti.simulate_devices(count)
 result = {"devices": devices, "created": {}, "errors": {}}
+
+
+def _tf_class(strategy):
+    # tfmulti subclasses TF's strategies for Keras compatibility.
+    return next(c.__name__ for c in type(strategy).__mro__
+                if c.__module__.startswith("tensorflow"))
+
+
 for name in ("auto", "one_device", "mirrored"):
     s = tfmulti.create_strategy(name, cluster=tfmulti.ClusterConfig())
-    result["created"][name] = [type(s).__name__, s.num_replicas_in_sync]
+    result["created"][name] = [_tf_class(s), s.num_replicas_in_sync]
 s = tfmulti.create_strategy("mirrored", devices=devices[:1],
                             all_reduce="reduce_to_one", pack_bytes=1 << 20,
                             timeout_seconds=30)
-result["created"]["mirrored_subset"] = [type(s).__name__,
+result["created"]["mirrored_subset"] = [_tf_class(s),
                                         s.num_replicas_in_sync]
 opts = tfmulti.strategies.communication_options(s)
 # Mirrored strategies over different device sets in one process: each

@@ -11,6 +11,7 @@ optimizer that does not reduce again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import tensorflow as tf
 
@@ -63,9 +64,43 @@ def unpack_batch(batch):
         "dataset to such tuples.")
 
 
+def _first_tensor(x):
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def _equal_shares(strategy, batch) -> bool:
+    """Whether every replica surely holds global_batch / N examples: known
+    at trace time when this process holds every replica and their static
+    batch sizes agree (drop_remainder=True, a divisible global batch)."""
+    local = strategy.experimental_local_results(batch)
+    if len(local) != strategy.num_replicas_in_sync:
+        # Other workers' shares are not visible here.
+        return False
+    sizes = set()
+    for part in local:
+        shape = _first_tensor(part).shape
+        sizes.add(None if shape.rank in (None, 0) else shape[0])
+    return len(sizes) == 1 and None not in sizes
+
+
+def _accepts_global_batch(compute_loss) -> bool:
+    try:
+        return "global_batch" in inspect.signature(compute_loss).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class TrainStep:
     """One optimizer update over K micro-batches, called in cross-replica
     context (inside a `tf.function`) with a distributed iterator.
+
+    A partial or uneven batch (the last batch of an epoch split 3,3,2,2 over
+    4 replicas; 64 examples on 3 replicas) must give the one-device update:
+    each replica's loss is its share of the micro-batch's ACTUAL global
+    batch. When the shares cannot be known at trace time, the step sums the
+    replicas' batch sizes (one scalar all-reduce) and passes the sum to
+    `compute_loss` as `global_batch`, if it takes that keyword; with equal
+    static shares it passes None and costs nothing.
 
     Args:
       strategy: the `tf.distribute.Strategy` the variables live in.
@@ -75,6 +110,9 @@ class TrainStep:
       compute_loss: `compute_loss(x, y, sample_weight) -> (loss, y_pred)`,
         called in replica context; `loss` is this replica's share of the
         micro-batch loss (`tf.nn.compute_average_loss` with the global batch).
+        If it takes a keyword `global_batch`, it gets None (every replica
+        holds global/N examples) or the micro-batch's actual global batch
+        size (a float32 scalar) to divide by instead.
       options: `GradientOptions`.
       metrics: Keras metrics updated with `(y, y_pred, sample_weight)`.
       communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -93,6 +131,9 @@ class TrainStep:
         self._model = model
         self._optimizer = optimizer
         self._compute_loss = compute_loss
+        self._takes_global_batch = _accepts_global_batch(compute_loss)
+        # Set at trace time by __call__ for the batch being traced.
+        self._equal_shares = True
         self._options = options
         self._metrics = tuple(metrics)
         self._communication_options = communication_options
@@ -113,10 +154,20 @@ class TrainStep:
     def options(self) -> GradientOptions:
         return self._options
 
+    def _global_batch(self, x):
+        if self._equal_shares:
+            return None
+        local = tf.cast(tf.shape(_first_tensor(x))[0], tf.float32)
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, local,
+            options=self._communication_options)
+
     def _local_gradients(self, batch):
         x, y, sample_weight = unpack_batch(batch)
+        kwargs = ({"global_batch": self._global_batch(x)}
+                  if self._takes_global_batch else {})
         with tf.GradientTape() as tape:
-            loss, y_pred = self._compute_loss(x, y, sample_weight)
+            loss, y_pred = self._compute_loss(x, y, sample_weight, **kwargs)
             loss = loss / self._options.grad_accum_steps
             # A LossScaleOptimizer's scale (or `loss_scale_factor`); the
             # optimizer divides it out again in `apply`.
@@ -165,6 +216,9 @@ class TrainStep:
         # computes its gradient, adds the accumulated ones, reduces once and
         # applies. K=1 is a single fused step with no accumulator variables.
         for _ in range(self._options.grad_accum_steps - 1):
-            loss = self._strategy.run(self._accumulate,
-                                      args=(next(iterator), loss))
-        return self._strategy.run(self._update, args=(next(iterator), loss))
+            batch = next(iterator)
+            self._equal_shares = _equal_shares(self._strategy, batch)
+            loss = self._strategy.run(self._accumulate, args=(batch, loss))
+        batch = next(iterator)
+        self._equal_shares = _equal_shares(self._strategy, batch)
+        return self._strategy.run(self._update, args=(batch, loss))
