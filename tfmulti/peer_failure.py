@@ -1,8 +1,9 @@
 """Turning TensorFlow's errors about a lost peer into one that says so.
 
 MultiWorkerMirroredStrategy cannot continue when a worker dies: the
-coordination service's heartbeat (or a collective's `timeout_seconds`) makes
-every surviving worker's next or pending collective fail, but with
+coordination service's heartbeat (or, for a stuck peer, tfmulti's watchdog or
+a collective's `timeout_seconds`) makes every surviving worker's next or
+pending collective fail, but with
 `UnavailableError`, `DeadlineExceededError`, `AbortedError` or
 `CancelledError` and text about RPCs and collective keys. `translated` turns
 those into a `PeerFailureError` naming the worker that saw it, the likely
@@ -17,6 +18,7 @@ import functools
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import strategies, watchdog
 
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                 tf.errors.AbortedError, tf.errors.CancelledError)
@@ -46,14 +48,22 @@ def translated(strategy):
     cluster = cluster_lib.of_strategy(strategy)
     num_workers = cluster.num_workers
     try:
-        yield
+        with watchdog.armed(strategy):
+            yield
     except _PEER_ERRORS as e:
         if num_workers < 2:
             raise
-        if isinstance(e, tf.errors.DeadlineExceededError):
-            timeout = getattr(getattr(
-                strategy, "_tfmulti_communication_options", None),
-                "timeout_seconds", None)
+        dog = watchdog.of(strategy)
+        if dog is not None and dog.fired:
+            cause = (
+                "no loop of training steps completed within `stall_timeout_"
+                f"seconds`={dog.timeout_seconds:g} of create_strategy: "
+                "another worker is stuck, far slower, or dead (raise it if "
+                "one loop of steps, an evaluation pass or a save "
+                "legitimately takes longer)")
+        elif isinstance(e, tf.errors.DeadlineExceededError):
+            timeout = strategies.communication_options(
+                strategy).timeout_seconds
             cause = ("another worker did not join it within `timeout_"
                      f"seconds`={timeout} of create_strategy: it is stuck, "
                      "far slower, or dead (raise the timeout if the job "

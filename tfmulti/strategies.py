@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import warnings
 
 import keras
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat
+from tfmulti import watchdog
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -26,10 +29,17 @@ _IMPLEMENTATIONS = {
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
 
-# A collective that waits longer fails (a peer alive but stuck; a dead peer
-# is caught sooner by the coordination service's heartbeat, ~10 s). Long
-# enough for a slow first trace or a chief-only save on another worker.
-DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS = 600.0
+# A multi-worker training call (a loop of steps, an evaluation pass, a save)
+# that makes no progress for this long fails: a peer alive but stuck. A dead
+# peer is caught sooner by the coordination service's heartbeat (~10 s).
+# Long enough for a slow first trace or a chief-only save on another worker.
+DEFAULT_STALL_TIMEOUT_SECONDS = 600.0
+
+# Threads TensorFlow keeps alive per second of collectives with a
+# per-collective timeout, measured on a 2-worker loop of 5-step calls
+# (BUILD_NOTES, issue 19): the warning below quotes it.
+_THREADS_PER_SECOND_MEASURED = 1000
+_warned_timeout = False
 
 _log = logging.getLogger(__name__)
 
@@ -125,6 +135,8 @@ def _check_choice(arg: str, value, choices) -> str:
 def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                     all_reduce: str = "auto", pack_bytes: int | None = None,
                     timeout_seconds: float | None = None,
+                    stall_timeout_seconds: float | None = (
+                        DEFAULT_STALL_TIMEOUT_SECONDS),
                     cluster: cluster_lib.ClusterConfig | None = None
                     ) -> tf.distribute.Strategy:
     """Creates the distribution strategy named `name`.
@@ -142,10 +154,16 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         "auto" lets TensorFlow choose.
       pack_bytes: pack gradients into chunks of this many bytes before the
         all-reduce (fewer, larger collectives); None leaves it to TensorFlow.
-      timeout_seconds: fail a collective that waits longer than this (e.g. a
-        stuck peer) instead of waiting forever. Default: for multi_worker
-        `DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS` (600), else none; `math.inf`
-        for none.
+      timeout_seconds: TensorFlow's per-collective timeout: a collective
+        that waits longer fails. Default none. TensorFlow keeps one thread
+        alive per collective for this long, so a long timeout on a fast loop
+        exhausts the machine's threads; prefer `stall_timeout_seconds`.
+      stall_timeout_seconds: multi_worker only: when a tfmulti training call
+        (`Trainer.fit`, or `fit` of a `tfmulti.keras.distributed` model)
+        makes no progress for this long (no loop of steps completes: a peer
+        is stuck), its collectives are aborted and it raises
+        `tfmulti.PeerFailureError`. One watchdog thread per process.
+        Default 600; None or `math.inf` for none.
       cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
         SLURM or Kubernetes from the environment).
 
@@ -165,9 +183,12 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                                    pack_bytes < 0):
         raise ValueError(f"`pack_bytes` should be a non-negative int or None, "
                          f"got {pack_bytes!r}.")
-    if timeout_seconds is not None and not timeout_seconds > 0:
-        raise ValueError(f"`timeout_seconds` should be positive or None, got "
-                         f"{timeout_seconds!r}.")
+    for arg, value in (("timeout_seconds", timeout_seconds),
+                       ("stall_timeout_seconds", stall_timeout_seconds)):
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, (int, float)) or not value > 0):
+            raise ValueError(f"`{arg}` should be a positive number, "
+                             f"`math.inf` or None, got {value!r}.")
     if cluster is None:
         cluster = cluster_lib.cluster_config()
     if name == "auto":
@@ -189,10 +210,12 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         raise ValueError(
             "`all_reduce`='nccl' needs GPUs, and this machine has none. Use "
             f"all_reduce='auto' (or {'ring' if name == 'multi_worker' else 'reduce_to_one'!r}).")
-    if timeout_seconds is None and name == "multi_worker":
-        timeout_seconds = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
-    if timeout_seconds == float("inf"):
+    if timeout_seconds == math.inf:
         timeout_seconds = None
+    if timeout_seconds is not None:
+        _warn_timeout_threads(timeout_seconds)
+    if stall_timeout_seconds == math.inf or name != "multi_worker":
+        stall_timeout_seconds = None
     options = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=pack_bytes or 0, timeout_seconds=timeout_seconds,
         implementation=_IMPLEMENTATIONS.get(all_reduce, _IMPLEMENTATIONS[
@@ -216,9 +239,25 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         else:
             strategy = _mirrored(devices, _mirrored_ops(all_reduce))
     strategy._tfmulti_communication_options = options
+    watchdog.attach(strategy, stall_timeout_seconds)
     _log.info("tfmulti: %s with %d replica(s) in sync",
               type(strategy).__name__, strategy.num_replicas_in_sync)
     return strategy
+
+
+def _warn_timeout_threads(timeout_seconds):
+    global _warned_timeout
+    if _warned_timeout:
+        return
+    _warned_timeout = True
+    warnings.warn(
+        f"`timeout_seconds`={timeout_seconds:g}: TensorFlow keeps one thread "
+        "alive per collective until its timeout expires (about "
+        f"{_THREADS_PER_SECOND_MEASURED} threads per second of training "
+        "measured on a 2-worker loop), so a long job can exhaust the "
+        "machine's threads. To bound a stuck peer use "
+        "`stall_timeout_seconds` (one thread per process) and leave "
+        "`timeout_seconds` unset.", stacklevel=3)
 
 
 def _check_num_gpus(num_gpus, available):

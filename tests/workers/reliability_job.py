@@ -11,7 +11,8 @@ attempt=A` once training (re)starts. Faults come from the environment:
       worker WORKER sends itself SIGNAL (KILL or TERM) after step STEP;
   TFMULTI_FAULT=WORKER:before_fit:KILL   it dies before training starts;
   TFMULTI_FAULT=WORKER:STEP:STALL   it stops responding (sleeps 12 s, then
-      exits 3) while staying alive: only a collective timeout catches that.
+      exits 3) while staying alive: only the watchdog
+      (--stall_timeout_seconds) or a collective timeout catches that.
 
 A worker that sees a peer failure prints `PEER_FAILURE <unix time>` and the
 error; the one that kills itself first writes OUT_DIR/died-<worker> with the
@@ -35,10 +36,13 @@ parser.add_argument("out_dir")
 parser.add_argument("--steps", type=int, default=24)
 parser.add_argument("--checkpoint_every", type=int, default=4)
 parser.add_argument("--timeout_seconds", type=float, default=None)
+parser.add_argument("--stall_timeout_seconds", type=float, default=None)
 args = parser.parse_args()
 
-strategy = tfmulti.create_strategy("auto",
-                                   timeout_seconds=args.timeout_seconds)
+strategy = tfmulti.create_strategy(
+    "auto", timeout_seconds=args.timeout_seconds,
+    **({} if args.stall_timeout_seconds is None else
+       {"stall_timeout_seconds": args.stall_timeout_seconds}))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -95,8 +99,10 @@ class Fault(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         timeout = tfmulti.strategies.communication_options(
             strategy).timeout_seconds
+        dog = tfmulti.watchdog.of(strategy)
+        stall = dog.timeout_seconds if dog else None
         print(f"START step={trainer.step} attempt={attempt} "
-              f"timeout={timeout}", flush=True)
+              f"timeout={timeout} stall_timeout={stall}", flush=True)
 
     def on_train_batch_end(self, batch, logs=None):
         if my_fault and batch + 1 == int(fault_step):

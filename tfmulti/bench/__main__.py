@@ -37,6 +37,7 @@ MODES = {
         "input_pipeline": {"replicas": 2, "steps": 20, "rounds": 16},
         "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
+        "soak": {"seconds": 300, "interval": 10},
     },
     "quick": {
         "replicas": (1, 2, 4),
@@ -60,7 +61,7 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory")
+              "accumulation_memory", "soak")
 
 
 def _kill(proc):
@@ -176,9 +177,22 @@ def _input_pipeline(mode, timeout):
     return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
+def _soak(mode, timeout):
+    # Minutes long by design: the full bench only.
+    if "soak" not in mode:
+        return None
+    configs = cluster_lib.local_cluster(2)
+    settings = mode["soak"]
+    return {entry: _run_part(
+        "soak", dict(settings, entry=entry),
+        timeout=max(timeout, settings["seconds"] + 240),
+        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
+        for entry in ("trainer", "fit")}
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
-           "accumulation_memory": _accumulation_memory}
+           "accumulation_memory": _accumulation_memory, "soak": _soak}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -210,7 +224,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "errors": {}}
+               "soak": None, "errors": {}}
 
     def one(name):
         part_began = time.monotonic()

@@ -218,9 +218,7 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
             "steps": steps, "repeats": repeats, "configs": results}
 
 
-def worker_main(*, params: int, steps: int, repeats: int,
-                timeout_seconds: float = 120.0) -> dict:
+def worker_main(*, params: int, steps: int, repeats: int) -> dict:
     """One worker process: creates the strategy from TF_CONFIG, measures."""
-    strategy = strategies.create_strategy(
-        "multi_worker", timeout_seconds=timeout_seconds)
+    strategy = strategies.create_strategy("multi_worker")
     return measure(strategy, params=params, steps=steps, repeats=repeats)

@@ -40,11 +40,17 @@ def _accumulation_memory(**kwargs):
     return accumulation_memory.measure(**kwargs)
 
 
+def _soak(**kwargs):
+    from tfmulti.bench import soak
+    return soak.run(**kwargs)
+
+
 PARTS = {
     "step_overhead": _step_overhead,
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,
+    "soak": _soak,
 }
 
 

@@ -4,7 +4,8 @@
 "settings", "step_overhead": {model: {replicas (str): {method: steps/s,
 ..., "trainer_32_vs_bare_loop_32", "trainer_32_vs_keras_fit", ...}}},
 "replica_overhead": {model: {method: {replicas (str): ratio}}},
-"input_pipeline", "communication", "accumulation_memory", "goals": [{"name",
+"input_pipeline", "communication", "accumulation_memory", "soak": {entry:
+{"samples", "growth", ...}} (full mode only), "goals": [{"name",
 "value", "goal", "met"}], "errors": {part: message}, "seconds"}.
 """
 
@@ -17,7 +18,8 @@ import platform
 SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("schema_version", "machine", "settings", "step_overhead",
                   "replica_overhead", "input_pipeline", "communication",
-                  "accumulation_memory", "goals", "errors", "seconds")
+                  "accumulation_memory", "soak", "goals", "errors",
+                  "seconds")
 # Step-overhead keys that are settings or ratios, not methods' steps/s.
 _NOT_METHODS = {"replicas", "batch", "width", "steps", "repeats", "model",
                 "rounds"}
@@ -104,6 +106,13 @@ def goals(results: dict) -> list[dict]:
     if mem:
         add("peak memory: accumulate K x B / batch B", mem["accum_vs_batch"],
             "<= 1.2", mem["accum_vs_batch"] <= 1.2)
+    for entry, soak in (results.get("soak") or {}).items():
+        # Flat: under 5% growth from the first sample after warm-up to the
+        # last, for each resource a long job could exhaust.
+        for key in ("threads", "rss_bytes", "fds"):
+            ratio = soak["growth"][key]["ratio"]
+            add(f"soak {entry} {soak['seconds']:.0f} s: {key} last/after "
+                "warm-up", ratio, "< 1.05", ratio < 1.05)
     return found
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmulti import watchdog
+
 
 def _check_num_steps(num_steps):
     if not isinstance(num_steps, tf.Tensor):
@@ -65,7 +67,11 @@ def create_train_loop(step_fn, *, strategy):
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)
-        return loop(iterator, num_steps)
+        # Each completed loop is progress for the stuck-peer watchdog.
+        watchdog.beat(strategy)
+        result = loop(iterator, num_steps)
+        watchdog.beat(strategy)
+        return result
 
     train.traced = loop
     return train
