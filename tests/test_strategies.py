@@ -56,5 +56,5 @@ def test_auto_picks_multi_worker_in_a_cluster():
     results = run_workers(["tests/workers/multi_worker_probe.py"], 2,
                           timeout=180)
     got = [_result(out) for _, out in results]
-    assert got == [["_KerasMultiWorkerMirroredStrategy", 2, True],
-                   ["_KerasMultiWorkerMirroredStrategy", 2, False]]
+    assert got == [["KerasMultiWorkerMirroredStrategy", 2, True],
+                   ["KerasMultiWorkerMirroredStrategy", 2, False]]

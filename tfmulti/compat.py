@@ -1,41 +1,228 @@
-"""Version-guarded workarounds of Keras 3 / TensorFlow behaviour.
+"""Every version-guarded Keras / TensorFlow workaround, in one place.
 
-One section per workaround: the upstream symptom, where it comes from, the
-versions it was checked on, and the guard test in
-`tests/conformance/test_compat_guards.py` that fails once upstream fixes it
-(then delete the section).
+Each workaround is one function or class below, headed by a short comment:
+the upstream symptom, the upstream issue, the versions checked, and the test
+in `tests/test_compat.py` that fails once an upstream release fixes it (then
+delete the workaround and its test). Nothing else in tfmulti touches a
+private Keras or TensorFlow attribute: it calls the accessor here.
+
+To add one: append a function or class with the same header at the end, and
+a guard test in `tests/test_compat.py`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 import keras
 import tensorflow as tf
 
-_log = logging.getLogger(__name__)
+# Checked on: TensorFlow 2.21.0, Keras 3.15.1.
+SUPPORTED_KERAS_MAJOR = 3
 
-# ---------------------------------------------------------------------------
-# Collective instance keys bound at call time (MirroredStrategy).
-#
+
+def keras_major() -> int:
+    """The installed Keras major version."""
+    return int(keras.__version__.split(".")[0])
+
+
+# --- Keras 3 optimizers all-reduce gradients themselves ---------------------
+# Symptom: `TFOptimizer._backend_update_step` sums gradients across replicas
+# (`_all_reduce_sum_gradients`) whenever it runs in replica context, after
+# clipping each replica's LOCAL gradient; a custom step that reduces first
+# gets N-times gradients, and clipping happens before the sum. No public
+# switch (Keras 3 dropped `experimental_aggregate_gradients`). Upstream:
+# keras-team/keras#20585 family. Checked: Keras 3.15.1.
+# Guards: test_compat.py (optimizer_sums_replicas),
+# test_trainer_errors.py::test_keras_still_has_the_replaced_reduction.
+OPTIMIZER_REDUCE_METHOD = "_all_reduce_sum_gradients"
+
+
+def _already_reduced(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def replace_optimizer_reduction(optimizer) -> None:
+    """Gives `optimizer` (an INSTANCE) an identity in place of its own
+    cross-replica sum. Raises RuntimeError if this Keras has none."""
+    if keras_major() != SUPPORTED_KERAS_MAJOR:
+        raise RuntimeError(
+            f"tfmulti's gradient reduction supports Keras "
+            f"{SUPPORTED_KERAS_MAJOR}.x; this is Keras {keras.__version__}. "
+            "Install keras>=3.15,<4.")
+    if not callable(getattr(type(optimizer), OPTIMIZER_REDUCE_METHOD, None)):
+        raise RuntimeError(
+            f"{type(optimizer).__name__} has no `{OPTIMIZER_REDUCE_METHOD}`: "
+            f"this Keras ({keras.__version__}) changed how its TensorFlow "
+            "optimizer reduces gradients, and tfmulti cannot stop it from "
+            "reducing them a second time. Use keras 3.15.")
+    setattr(optimizer, OPTIMIZER_REDUCE_METHOD, _already_reduced)
+
+
+# --- MultiWorkerMirroredStrategy.reduce refuses what Keras 3 passes --------
+# Symptom: Keras 3's TF trainer calls `strategy.reduce("MEAN", batch,
+# axis=None)` on the nested (x, y) first batch and `reduce("MEAN", logs,
+# axis=0)` on scalar logs; the stock strategy fails ("Attempt to convert a
+# value (PerReplica ...) to a Tensor"; "Invalid reduction dimension 0 for
+# input with 0 dimensions"). Upstream: keras-team/keras#20585,
+# tensorflow/tensorflow#72388. Checked: TF 2.21.0, Keras 3.15.1.
+# Guard: test_compat.py (multi_worker_reduce).
+# What CollectiveReduceV2 can carry on every device type.
+COLLECTIVE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
+                     tf.int32, tf.int64)
+
+
+class KerasMultiWorkerMirroredStrategy(
+        tf.distribute.MultiWorkerMirroredStrategy):
+    """MultiWorkerMirroredStrategy whose `reduce` accepts what Keras 3 passes:
+    it maps over nested structures and reduces rank-0 values across replicas
+    only, which is what a mean over axis 0 of a scalar per replica means."""
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        warn_if_keras_step_uneven(self, fn, args)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def reduce(self, reduce_op, value, axis=None):
+        reduce_one = super().reduce
+
+        def one(v):
+            local = self.experimental_local_results(v)[0]
+            one_axis = None if local.shape.rank == 0 else axis
+            if local.dtype in COLLECTIVE_DTYPES:
+                return reduce_one(reduce_op, v, axis=one_axis)
+            # The first batch Keras reduces is often uint8 images, which
+            # CollectiveReduceV2 has no kernel for: reduce in float32.
+            as_float = self.run(lambda t: tf.cast(t, tf.float32), args=(v,))
+            return tf.cast(reduce_one(reduce_op, as_float, axis=one_axis),
+                           local.dtype)
+
+        return tf.nest.map_structure(one, value)
+
+
+def multi_worker_strategy_class():
+    """The MultiWorkerMirroredStrategy class to build for this Keras."""
+    return (KerasMultiWorkerMirroredStrategy if keras_major() >= 3
+            else tf.distribute.MultiWorkerMirroredStrategy)
+
+
+# --- Which strategy a Keras object belongs to (private attributes) ---------
+# Symptom: Keras 3 exposes no public "strategy of this optimizer / model /
+# variable"; the TF backend keeps it in `_distribution_strategy` (optimizer),
+# `_distribute_strategy` (model, and the tf.Variable under a Keras variable).
+# An optimizer made outside the scope puts its slots under another scope
+# (tensorflow/tensorflow#55713). Checked: Keras 3.15.1.
+# Guard: test_compat.py::test_private_strategy_attributes_still_exist.
+def optimizer_strategy(optimizer):
+    """The strategy `optimizer` was created under, or None if unknown."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def model_strategy(model):
+    """The strategy `model` was built under (None: TF's default)."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def variable_strategy(variable):
+    """The strategy owning a (Keras or TF) variable, or None."""
+    return getattr(getattr(variable, "value", variable),
+                   "_distribute_strategy", None)
+
+
+# --- Keras's train step internals that tfmulti's step reproduces -----------
+# Symptom: `keras.Model.train_step` (TF backend) cannot be reused without
+# its own gradient application, so tfmulti.keras.distributed re-does its loss
+# part, which reads the private `_call_has_training_arg` and updates the
+# private `_loss_tracker` exactly as Keras does. Checked: Keras 3.15.1.
+# Guard: test_compat.py::test_private_strategy_attributes_still_exist.
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` takes `training` (Keras's cached answer)."""
+    return bool(getattr(model, "_call_has_training_arg", True))
+
+
+def loss_tracker(model):
+    """The metric Keras's `fit` reports as "loss"."""
+    return model._loss_tracker
+
+
+# --- Keras `fit` has no public initial epoch from a callback ---------------
+# Symptom: a callback can only move `fit`'s start through the private
+# `model._initial_epoch` (Keras's own BackupAndRestore does), and Keras
+# never resets it: a later `fit` of the same model starts there too.
+# Checked: Keras 3.15.1.
+# Guard: test_compat.py::test_keras_keeps_initial_epoch_after_fit.
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes the running `fit` start at `epoch` (None: the caller's)."""
+    model._initial_epoch = epoch or None
+
+
+# --- Distributed iterators cannot be checkpointed --------------------------
+# Symptom: iterators of `strategy.experimental_distribute_dataset` /
+# `distribute_datasets_from_function` are not trackable in TF 2.21, so a
+# resumed job replays the consumed batches instead of restoring the
+# position. Checked: TF 2.21.0.
+# Guard: test_compat.py (distributed_iterator_not_trackable).
+def is_trackable(obj) -> bool:
+    """Whether `obj` can go into a `tf.train.Checkpoint`."""
+    return isinstance(obj, tf.__internal__.tracking.Trackable)
+
+
+# --- tf.train.latest_checkpoint globs the directory ------------------------
+# Symptom: `latest_checkpoint` checks the path from the `checkpoint` state
+# file with a glob, so a `model_dir` containing `[` `]` (a sweep dir like
+# `lr[0.1]`) never resumes; a junk state file hides intact checkpoints.
+# Checked: TF 2.21.0.
+# Guard: test_compat.py::test_latest_checkpoint_still_globs.
+def checkpoint_prefixes(directory: str, *, basename: str = "ckpt"
+                        ) -> list[tuple[int, str]]:
+    """`(number, prefix)` of the complete `<basename>-N` checkpoints in
+    `directory`, oldest first, read from the directory listing (no glob, no
+    state file). A checkpoint is complete when its `.index` exists."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        stem, _, suffix = name.rpartition(".")
+        head, _, number = stem.rpartition("-")
+        if suffix == "index" and head == basename and number.isdigit():
+            found.append((int(number), os.path.join(directory, stem)))
+    return sorted(found)
+
+
+# --- Keras losses divide by the replica count under a strategy -------------
+# Symptom: `keras.losses.Loss.__call__` (`reduce_values`) multiplies the
+# mean loss by 1/num_replicas in a replica context, so the compiled loss is
+# already this replica's share; the value Keras's loss tracker wants is the
+# unscaled mean. Checked: Keras 3.15.1.
+# Guard: test_compat.py (keras_loss_scales_by_replicas).
+def unscaled_keras_loss(loss, strategy):
+    """The local mean loss from a Keras-compiled loss of this replica."""
+    return loss * strategy.num_replicas_in_sync
+
+
+# --- Collective instance keys bound at call time (MirroredStrategy) --------
 # Symptom: TensorFlow's "Custom training with tf.distribute.Strategy"
-# tutorial (optimizer built lazily by its first `apply_gradients` inside
+# tutorial (optimizer built by its first `apply_gradients` inside
 # `tf.function(strategy.run(...))`) and plain Keras `fit` with
-# `steps_per_execution > 1` fail under MirroredStrategy with
-# "InvalidArgumentError: You must feed a value for placeholder tensor
-# 'cond/else/_1/cond/Placeholder' with dtype int32". Cause (TF 2.21,
-# `distribute/cross_device_utils.py` `_next_instance_key`): every collective
-# takes its instance key from `capture_call_time_value`, a placeholder fed
-# when the OUTER function is called. A collective inside a function called
-# from a `tf.cond` branch (tf.function's `fn_with_cond` for variables made on
-# the first call; Keras's `tf.while_loop`/`tf.cond` around each step) leaves
-# that placeholder unfed. Call-time keys exist so that workers that retrace
-# at different times agree on keys; one process (MirroredStrategy) has no
-# such peers, so keys fixed at trace time are as safe, and are what TF did
-# before 2.5. Applied to the launchers of the strategies tfmulti creates,
-# never globally.
-# ---------------------------------------------------------------------------
+# `steps_per_execution > 1` fail under MirroredStrategy: "InvalidArgument
+# Error: You must feed a value for placeholder tensor 'cond/else/_1/cond/
+# Placeholder' with dtype int32". Cause: `distribute/cross_device_utils.py`
+# `_next_instance_key` takes each collective's instance key from
+# `capture_call_time_value`, a placeholder fed when the OUTER function is
+# called; a collective inside a function called from a `tf.cond` branch
+# (tf.function's `fn_with_cond` for variables made on the first call,
+# Keras's `tf.while_loop`/`tf.cond` around each step) leaves it unfed.
+# Call-time keys let workers that retrace at different times agree; one
+# process has no such peers, so keys fixed at trace time are as safe (TF
+# did that before 2.5). Set on the launchers of tfmulti's mirrored
+# strategies only, never globally. Checked: TF 2.21.0, Keras 3.15.1.
+# Guard: tests/conformance/test_compat_guards.py::test_stock_mirrored_
+# tutorial_still_fails.
+_log = logging.getLogger(__name__)
 
 
 def _trace_time_instance_keys():
@@ -69,25 +256,21 @@ def bind_collective_keys_at_trace_time(strategy) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------
-# Keras reduces the first batch to build the model (Keras 3.15).
-#
+# --- Keras reduces the first batch to build the model ----------------------
 # Symptom: a global batch not divisible by the replicas (64 on 3) crashes
 # `fit` and `evaluate` before the first step: "Inputs to operation AddN ...
 # must have the same size and shape [22,10] != [21,10]". Cause:
 # `keras/src/backend/tensorflow/trainer.py` `_maybe_symbolic_build` calls
 # `strategy.reduce("MEAN", first_batch, axis=None)` only to get a batch
-# whose shapes build the model. A mean of tensors of different shapes has no
-# meaning, so tfmulti's strategies answer that one caller with the first
-# replica's batch and refuse everyone else with the shapes and the fix.
-# ---------------------------------------------------------------------------
-
+# whose shapes build the model. tfmulti's strategies answer that one caller
+# with the first replica's batch and refuse everyone else with the shapes
+# and the fix. Checked: Keras 3.15.1. Guard: tests/conformance/
+# test_compat_guards.py::test_keras_still_reduces_the_first_batch.
 _KERAS_BUILD_CALLER = "_maybe_symbolic_build"
 
 
 def called_by_keras_build() -> bool:
     """Whether the running `strategy.reduce` was called by Keras's build."""
-    import sys
     frame = sys._getframe(1)
     for _ in range(6):
         if frame is None:
@@ -130,21 +313,19 @@ def unequal_shapes_error(strategy, value) -> ValueError | None:
     return None
 
 
-# ---------------------------------------------------------------------------
-# Keras's train step weights each replica's loss by 1/replicas (Keras 3.15).
-#
+# --- Keras's train step weights each replica's loss by 1/replicas ----------
 # Symptom: with a partial last batch (330 examples, batch 32: 10 examples
 # split 3,3,2,2 over 4 replicas) or a global batch not divisible by the
 # replicas, plain `fit` drifts from one device (4e-2 in two epochs, with
 # sample weights). Cause: `keras/src/losses/loss.py` `reduce_values` takes
 # each replica's mean and `scale_loss_for_distribution` multiplies it by
-# 1/num_replicas whatever that replica's share of the batch (k#19891 reports
-# loss that changes with the replica count). Keras cannot be told the shares
-# without patching it; tfmulti warns once, at trace time, when a plain
-# Keras train step sees per-replica batches that are unequal or of unknown
-# size, and names the fix. `tfmulti.keras.distributed` weights exactly.
-# ---------------------------------------------------------------------------
-
+# 1/num_replicas whatever that replica's share (k#19891: loss and metrics
+# change with the replica count). Keras cannot be told the shares without
+# patching it: tfmulti's strategies warn once, at trace time, when Keras's
+# stock train step sees per-replica batches of unequal or unknown size, and
+# name the fix (`tfmulti.keras.distributed` weights exactly). Checked:
+# Keras 3.15.1. Guard: tests/conformance/test_conformance.py::test_uneven_
+# batches (plain fit still differs and warns).
 _warned_uneven = set()
 
 
@@ -179,3 +360,33 @@ def warn_if_keras_step_uneven(strategy, fn, args) -> None:
         f"with drop_remainder=True and a global batch divisible by {n}, or "
         "call tfmulti.keras.distributed(model) after compile, which weights "
         "each replica by its real share.", UserWarning, stacklevel=3)
+
+
+class KerasMirroredStrategy(tf.distribute.MirroredStrategy):
+    """MirroredStrategy that tells Keras 3 users what it cannot do right:
+    `run` warns once when Keras's own train step gets per-replica batches of
+    unequal or unknown size; `reduce` answers Keras's first-batch build when
+    the global batch is not divisible by the replicas and refuses other
+    callers with the shapes."""
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        warn_if_keras_step_uneven(self, fn, args)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def reduce(self, reduce_op, value, axis=None):
+        if axis is None:
+            error = unequal_shapes_error(self, value)
+            if error is not None:
+                if called_by_keras_build():
+                    # Keras only needs a batch whose shapes build the model.
+                    return tf.nest.map_structure(
+                        lambda v: self.experimental_local_results(v)[0],
+                        value)
+                raise error
+        return super().reduce(reduce_op, value, axis=axis)
+
+
+def mirrored_strategy_class():
+    """The MirroredStrategy class to build for this Keras."""
+    return (KerasMirroredStrategy if keras_major() >= 3
+            else tf.distribute.MirroredStrategy)

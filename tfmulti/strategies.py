@@ -12,7 +12,6 @@ import logging
 import math
 import warnings
 
-import keras
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
@@ -42,77 +41,6 @@ _THREADS_PER_SECOND_MEASURED = 1000
 _warned_timeout = False
 
 _log = logging.getLogger(__name__)
-
-
-def _keras_major() -> int:
-    return int(keras.__version__.split(".")[0])
-
-
-class _KerasMirroredStrategy(tf.distribute.MirroredStrategy):
-    """MirroredStrategy that tells Keras 3 users what it cannot do right.
-
-    `run` warns once when Keras's own train step gets per-replica batches
-    of unequal or unknown size (each replica's mean loss is weighted 1/N);
-    `reduce` answers Keras's first-batch build when the global batch is not
-    divisible by the replicas, and refuses other callers with the shapes.
-    See `tfmulti.compat`.
-    """
-
-    def run(self, fn, args=(), kwargs=None, options=None):
-        compat.warn_if_keras_step_uneven(self, fn, args)
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
-
-    def reduce(self, reduce_op, value, axis=None):
-        if axis is None:
-            error = compat.unequal_shapes_error(self, value)
-            if error is not None:
-                if compat.called_by_keras_build():
-                    # Keras only needs a batch whose shapes build the model.
-                    return tf.nest.map_structure(
-                        lambda v: self.experimental_local_results(v)[0],
-                        value)
-                raise error
-        return super().reduce(reduce_op, value, axis=axis)
-
-
-class _KerasMultiWorkerMirroredStrategy(
-        tf.distribute.MultiWorkerMirroredStrategy):
-    """MultiWorkerMirroredStrategy whose `reduce` accepts what Keras 3 passes.
-
-    Keras 3's TF trainer (checked up to 3.15) calls `strategy.reduce("MEAN",
-    batch, axis=None)` on the nested (x, y) batch while building the model,
-    and `strategy.reduce("MEAN", logs, axis=0)` on scalar logs after every
-    step. The stock strategy reduces neither ("Attempt to convert a value
-    (PerReplica ...) to a Tensor"; "Invalid reduction dimension 0 for input
-    with 0 dimensions", keras-team/keras#20585). Here `reduce` maps over
-    nested structures and reduces rank-0 values across replicas only, which
-    is what a mean over axis 0 of a scalar per replica means.
-    """
-
-    def run(self, fn, args=(), kwargs=None, options=None):
-        compat.warn_if_keras_step_uneven(self, fn, args)
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
-
-    def reduce(self, reduce_op, value, axis=None):
-        reduce_one = super().reduce
-
-        def one(v):
-            local = self.experimental_local_results(v)[0]
-            one_axis = None if local.shape.rank == 0 else axis
-            if local.dtype in _COLLECTIVE_DTYPES:
-                return reduce_one(reduce_op, v, axis=one_axis)
-            # The first batch Keras reduces is often uint8 images, which
-            # CollectiveReduceV2 has no kernel for: reduce in float32.
-            as_float = self.run(lambda t: tf.cast(t, tf.float32), args=(v,))
-            return tf.cast(reduce_one(reduce_op, as_float, axis=one_axis),
-                           local.dtype)
-
-        return tf.nest.map_structure(one, value)
-
-
-# What CollectiveReduceV2 can carry on every device type.
-_COLLECTIVE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64,
-                      tf.int32, tf.int64)
 
 
 def communication_options(strategy: tf.distribute.Strategy
@@ -294,8 +222,7 @@ _KEY_BASES = itertools.count(0, 100_000)
 
 
 def _mirrored(devices, cross_device_ops):
-    cls = (_KerasMirroredStrategy if _keras_major() >= 3
-           else tf.distribute.MirroredStrategy)
+    cls = compat.mirrored_strategy_class()
     previous = cls._collective_key_base
     # The extended strategy copies the class attribute when it is built;
     # TensorFlow's own tests separate strategies the same way.
@@ -336,8 +263,7 @@ def _multi_worker(cluster, num_gpus, options):
                                   for t, a in cluster.cluster.items()}),
             task_type=cluster.task_type, task_id=cluster.task_index,
             rpc_layer="grpc")
-    cls = (_KerasMultiWorkerMirroredStrategy if _keras_major() >= 3
-           else tf.distribute.MultiWorkerMirroredStrategy)
+    cls = compat.multi_worker_strategy_class()
     try:
         return cls(cluster_resolver=resolver, communication_options=options)
     except RuntimeError as e:

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import compat
 from tfmulti import exit_codes
 from tfmulti.keras import fit as fit_lib
 from tfmulti.training import numerics
@@ -124,8 +125,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             _check_workers_agree(model.distribute_strategy, epoch, batch)
         self.restored = (epoch, batch) if (epoch, batch) != (0, 0) else None
         if epoch:
-            # Keras's own BackupAndRestore starts `fit` here the same way.
-            model._initial_epoch = epoch
+            compat.set_initial_epoch(model, epoch)
         self._epoch = epoch
         if batch:
             self._skipper = _SkipBatches(model, batch)
@@ -201,9 +201,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._close_watcher()
         self._unwrap()
-        if getattr(self.model, "_initial_epoch", None):
-            # Keras never resets it: a second `fit` would start there too.
-            self.model._initial_epoch = None
+        # Keras never resets it: a second `fit` would start there too.
+        compat.set_initial_epoch(self.model, None)
         if self.delete_on_end:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 

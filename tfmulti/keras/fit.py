@@ -28,7 +28,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfmulti import peer_failure
+from tfmulti import compat, peer_failure
 from tfmulti import strategies
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -55,7 +55,7 @@ def _check_model(model):
             "model.compile(optimizer=..., loss=..., steps_per_execution=...) "
             "under `strategy.scope()` first, then tfmulti.keras."
             "distributed(model).")
-    if model._distribute_strategy is None:
+    if compat.model_strategy(model) is None:
         # TensorFlow's default strategy has no devices to loop over.
         raise ValueError(
             f"`model` {model.name!r} was built without a strategy. Create it "
@@ -243,7 +243,7 @@ def _compute_loss_fn(model):
         # loss is this replica's mean scaled by 1/replicas (Keras), and
         # `_compute_loss` accepts a pre-3.3 `compute_loss(x, y, y_pred,
         # sample_weight)` override as Keras does.
-        if model._call_has_training_arg:
+        if compat.call_has_training_arg(model):
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
@@ -276,7 +276,7 @@ def _compute_loss_fn(model):
             # Summed over replicas, value x weight is the batch's loss x its
             # size, as one device tracks it.
             tracked = tf.math.divide_no_nan(loss * global_batch, local)
-        model._loss_tracker.update_state(tracked, sample_weight=local)
+        compat.loss_tracker(model).update_state(tracked, sample_weight=local)
         logs = model.compute_metrics(x, y, y_pred,
                                      sample_weight=sample_weight)
         if state.train_extras is not None:
@@ -289,7 +289,7 @@ def _train_metrics_logs(model):
     """The logs of `compute_metrics` in training (for the key discovery)."""
     def replica_fn(batch):
         x, y, sample_weight = step_lib.unpack_batch(batch)
-        y_pred = model(x, training=True) if model._call_has_training_arg \
+        y_pred = model(x, training=True) if compat.call_has_training_arg(model) \
             else model(x)
         return model.compute_metrics(x, y, y_pred,
                                      sample_weight=sample_weight)
@@ -313,7 +313,7 @@ def _make_train_function(model, force=False):
     if not optimizer.built:
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-    trainer_lib._check_created_in_scope(strategy, model, optimizer)
+    trainer_lib.check_created_in_scope(strategy, model, optimizer)
     if not gradients_lib.reduces_gradients(optimizer):
         gradients_lib.disable_optimizer_reduction(optimizer)
     train_step = step_lib.TrainStep(

@@ -11,23 +11,13 @@ place of its own reduction.
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 
+from tfmulti import compat
+
 ALLREDUCE_DTYPES = ("float16", "bfloat16")
-# The private method replaced below; checked on these Keras major versions.
-_REDUCE_METHOD = "_all_reduce_sum_gradients"
-_SUPPORTED_KERAS_MAJOR = 3
 # Marks an optimizer whose own reduction tfmulti already replaced.
 _MARK = "_tfmulti_reduces_gradients"
-
-
-def _keras_major() -> int:
-    return int(keras.__version__.split(".")[0])
-
-
-def _already_reduced(grads_and_vars):
-    return list(grads_and_vars)
 
 
 def reject_keras_accumulation(optimizer, *, instead: str) -> None:
@@ -53,8 +43,8 @@ def disable_optimizer_reduction(optimizer) -> None:
     """Makes `optimizer` apply gradients as given, without summing replicas.
 
     Replaces the optimizer INSTANCE's private `_all_reduce_sum_gradients`
-    (Keras 3, TensorFlow backend) with an identity; for a
-    `keras.optimizers.LossScaleOptimizer` the inner optimizer's too. Only the
+    (Keras 3, TensorFlow backend) with an identity (see `tfmulti.compat`);
+    for a `keras.optimizers.LossScaleOptimizer` the inner optimizer's too. Only the
     caller's reduction (`all_reduce_sum`) then sums gradients.
 
     Args:
@@ -66,23 +56,12 @@ def disable_optimizer_reduction(optimizer) -> None:
       RuntimeError: Keras is not 3.x, or the optimizer has no
         `_all_reduce_sum_gradients` (a Keras release that changed it).
     """
-    if _keras_major() != _SUPPORTED_KERAS_MAJOR:
-        raise RuntimeError(
-            f"tfmulti's gradient reduction supports Keras "
-            f"{_SUPPORTED_KERAS_MAJOR}.x; this is Keras {keras.__version__}. "
-            "Install keras>=3.15,<4.")
     reject_keras_accumulation(
         optimizer, instead="pass `grad_accum_steps={steps}` to "
         "tfmulti.Trainer")
     inner = getattr(optimizer, "inner_optimizer", None)
     for opt in (optimizer, inner) if inner is not None else (optimizer,):
-        if not callable(getattr(type(opt), _REDUCE_METHOD, None)):
-            raise RuntimeError(
-                f"{type(opt).__name__} has no `{_REDUCE_METHOD}`: this Keras "
-                f"({keras.__version__}) changed how its TensorFlow optimizer "
-                "reduces gradients, and tfmulti cannot stop it from reducing "
-                "them a second time. Use keras 3.15.")
-        setattr(opt, _REDUCE_METHOD, _already_reduced)
+        compat.replace_optimizer_reduction(opt)
         setattr(opt, _MARK, True)
 
 

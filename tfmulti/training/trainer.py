@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
-from tfmulti import peer_failure, strategies
+from tfmulti import compat, peer_failure, strategies
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -40,8 +40,7 @@ def _resolve_strategy(strategy, model):
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
     for variable in model.variables:
-        owner = getattr(getattr(variable, "value", variable),
-                        "_distribute_strategy", None)
+        owner = compat.variable_strategy(variable)
         if owner is not None:
             return owner
     return tf.distribute.get_strategy()
@@ -54,7 +53,9 @@ def _outside_scope(strategy, variables):
                      getattr(v, "value", v))), None)
 
 
-def _check_created_in_scope(strategy, model, optimizer):
+def check_created_in_scope(strategy, model, optimizer):
+    """Raises ValueError naming a model or optimizer variable created
+    outside `strategy`'s scope."""
     fix = ("Create the model and the optimizer inside `with "
            "strategy.scope():` (the same strategy you pass to the Trainer), "
            "before building them.")
@@ -66,8 +67,8 @@ def _check_created_in_scope(strategy, model, optimizer):
             f"{type(strategy).__name__}. {fix}")
     # Keras's TF optimizer binds the strategy current at its construction
     # and updates variables through it.
-    bound = getattr(optimizer, "_distribution_strategy", strategy)
-    if bound is not strategy:
+    bound = compat.optimizer_strategy(optimizer)
+    if bound is not None and bound is not strategy:
         raise ValueError(
             f"The optimizer {type(optimizer).__name__} was created outside "
             f"the scope of the strategy {type(strategy).__name__} (its slot "
@@ -164,7 +165,7 @@ class Trainer:
             "steps_per_loop", steps_per_loop,
             "It is how many steps run inside one tf.function call.")
         self.strategy = _resolve_strategy(strategy, model)
-        _check_created_in_scope(self.strategy, model, optimizer)
+        check_created_in_scope(self.strategy, model, optimizer)
         self.model = model
         self._loss = loss
         self.model_dir = model_dir
@@ -305,7 +306,7 @@ class Trainer:
         """A Checkpointer, and whether it saves the iterator's position."""
         trackables = dict(model=self.model, optimizer=self.optimizer,
                           step=self._step)
-        if isinstance(iterator, tf.__internal__.tracking.Trackable):
+        if compat.is_trackable(iterator):
             trackables["iterator"] = iterator
         return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
                                              **trackables),

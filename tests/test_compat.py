@@ -1,0 +1,74 @@
+"""Guards of `tfmulti.compat`: each test reproduces, with stock Keras or
+TensorFlow, the upstream defect one workaround exists for, and FAILS once an
+upstream release fixes it (then delete the workaround and its test). The
+multi-replica defects run in one subprocess on 2 logical CPUs."""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmulti import compat  # noqa: E402
+from tests.subproc import run_python  # noqa: E402
+
+FIXED = ("an upstream release fixed this: delete the workaround in "
+         "tfmulti/compat.py and this guard")
+
+
+@pytest.fixture(scope="module")
+def stock():
+    _, out = run_python(["tests/workers/compat_guards.py"], timeout=240)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [
+    "multi_worker_reduce", "optimizer_sums_replicas",
+    "fit_steps_per_execution_cond", "distributed_iterator_not_trackable",
+    "keras_loss_scales_by_replicas"])
+def test_stock_defect_is_still_present(stock, name):
+    assert stock[name]["present"] is True, f"{name}: {FIXED}. {stock[name]}"
+
+
+def test_private_strategy_attributes_still_exist():
+    strategy = tf.distribute.get_strategy()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    assert hasattr(model, "_distribute_strategy")
+    assert hasattr(model, "_call_has_training_arg")
+    assert compat.loss_tracker(model) is not None
+    assert hasattr(model.optimizer, "_distribution_strategy")
+    assert compat.optimizer_strategy(model.optimizer) is strategy
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with one_device.scope():
+        variable = keras.Variable(1.0)
+    assert compat.variable_strategy(variable) is one_device
+
+
+def test_keras_keeps_initial_epoch_after_fit():
+    class Start(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            compat.set_initial_epoch(self.model, 1)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 2), "float32")
+    assert model.fit(x, x[:, :1], epochs=2, verbose=0,
+                     callbacks=[Start()]).epoch == [1]
+    # Not reset by Keras: a plain second fit starts at epoch 1 as well.
+    assert model.fit(x, x[:, :1], epochs=2, verbose=0).epoch == [1], FIXED
+    compat.set_initial_epoch(model, None)
+
+
+def test_latest_checkpoint_still_globs(tmp_path):
+    directory = tmp_path / "lr[0.1]"
+    directory.mkdir()
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    manager = tf.train.CheckpointManager(checkpoint, str(directory), 2)
+    path = manager.save()
+    assert tf.train.latest_checkpoint(str(directory)) is None, FIXED
+    assert compat.checkpoint_prefixes(str(directory)) == [(1, path)]

@@ -1,0 +1,103 @@
+"""Reproduces, with stock Keras / TensorFlow on 2 logical CPUs, each upstream
+defect that `tfmulti.compat` works around; prints one JSON line
+{guard: {"present": bool, "detail": str}}. A guard whose defect is gone
+(present False) means an upstream release fixed it: delete the workaround.
+
+Usage: compat_guards.py
+"""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tfmulti  # noqa: E402
+
+tfmulti.simulate_devices(2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+results = {}
+
+
+def guard(name):
+    def wrap(fn):
+        try:
+            present, detail = fn()
+        except Exception as e:  # noqa: BLE001 (reported, never hidden)
+            present, detail = None, f"guard crashed: {type(e).__name__}: {e}"
+        results[name] = {"present": present, "detail": str(detail)[:300]}
+        return fn
+    return wrap
+
+
+# First: a multi-worker strategy must be made before other TF ops run.
+@guard("multi_worker_reduce")
+def _():
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    scalar = strategy.run(lambda: tf.constant(1.0))
+    try:
+        strategy.reduce("MEAN", scalar, axis=0)
+    except (ValueError, tf.errors.InvalidArgumentError) as e:
+        return True, e
+    return False, "stock reduce(axis=0) of a scalar per replica works"
+
+
+MIRRORED = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@guard("optimizer_sums_replicas")
+def _():
+    with MIRRORED.scope():
+        v = keras.Variable(np.zeros(1, "float32"))
+        opt = keras.optimizers.SGD(1.0)
+        opt.build([v])
+
+    @tf.function
+    def step():
+        def replica():
+            ctx = tf.distribute.get_replica_context()
+            g = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+            opt.apply_gradients([(tf.reshape(g, [1]), v)])
+        MIRRORED.run(replica)
+    step()
+    # Gradients 1 and 2: applied as given -> -1 or -2; summed -> -3.
+    value = float(v.numpy()[0])
+    return value == -3.0, f"update {value}"
+
+
+@guard("fit_steps_per_execution_cond")
+def _():
+    with MIRRORED.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x = np.ones((16, 2), "float32")
+    try:
+        model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+    except tf.errors.InvalidArgumentError as e:
+        return "placeholder" in str(e), e
+    return False, "Keras fit with steps_per_execution=2 ran on 2 replicas"
+
+
+@guard("distributed_iterator_not_trackable")
+def _():
+    data = tf.data.Dataset.range(8).batch(2)
+    iterator = iter(MIRRORED.experimental_distribute_dataset(data))
+    trackable = tfmulti.compat.is_trackable(iterator)
+    return not trackable, type(iterator).__name__
+
+
+@guard("keras_loss_scales_by_replicas")
+def _():
+    loss = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def run():
+        return MIRRORED.run(lambda: loss(tf.ones([2, 1]), tf.zeros([2, 1])))
+    value = float(MIRRORED.experimental_local_results(run())[0])
+    return value == 0.5, f"per-replica loss {value} (unscaled: 1.0)"
+
+
+print(json.dumps(results), flush=True)
