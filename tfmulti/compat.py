@@ -82,7 +82,7 @@ class KerasMultiWorkerMirroredStrategy(
     only, which is what a mean over axis 0 of a scalar per replica means."""
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        warn_if_keras_step_uneven(self, fn, args)
+        check_keras_step(self, fn, args)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def reduce(self, reduce_op, value, axis=None):
@@ -336,6 +336,48 @@ def is_keras_train_step(fn) -> bool:
             isinstance(model, keras.Model))
 
 
+_warned_custom_step = set()
+
+
+def check_keras_step(strategy, fn, args) -> None:
+    """What tfmulti's strategies check when Keras runs a step on them: a
+    jit-compiled step (refused), a custom step's logged loss (warned), an
+    uneven batch for Keras's own train step (warned)."""
+    model = getattr(fn, "__self__", None)
+    n = strategy.num_replicas_in_sync
+    if n < 2 or not isinstance(model, keras.Model) or getattr(
+            fn, "__name__", None) not in ("train_step", "test_step"):
+        return
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        # keras-team/keras#21366: XLA compiles `strategy.run` itself, then
+        # fails at run time: "Trying to access resource .../replica_1/...
+        # located in device CPU:1 from device CPU:0".
+        raise ValueError(
+            f"`jit_compile`=True on {model.name!r} makes Keras compile its "
+            f"whole step, `strategy.run` over the {n} replicas included, "
+            "with XLA, which cannot reach the other replicas' variables. "
+            "Compile with jit_compile=False, or call "
+            "tfmulti.keras.distributed(model) after compile.")
+    if getattr(type(model), fn.__name__) is not getattr(
+            keras.Model, fn.__name__) and id(model) not in _warned_custom_step:
+        # Keras losses under a strategy return each replica's mean / N
+        # (`scale_loss_for_distribution`); the keras-io guide's custom
+        # `train_step` logs that value with `metric.update_state(loss)`.
+        _warned_custom_step.add(id(model))
+        warnings.warn(
+            f"tfmulti: {type(model).__name__} overrides `{fn.__name__}`. "
+            f"Under a strategy with {n} replicas a Keras loss (and "
+            f"`self.compute_loss`) returns each replica's mean divided by "
+            f"{n}: gradients come out right, but a loss logged from it "
+            f"(e.g. `metric.update_state(loss)`) reads {n} times too small. "
+            "Log `loss * self.distribute_strategy.num_replicas_in_sync`.",
+            UserWarning, stacklevel=3)
+    if fn.__name__ == "train_step":
+        warn_if_keras_step_uneven(strategy, fn, args)
+
+
 def warn_if_keras_step_uneven(strategy, fn, args) -> None:
     """Warns once per model if Keras's train step may get unequal shares."""
     n = strategy.num_replicas_in_sync
@@ -370,7 +412,7 @@ class KerasMirroredStrategy(tf.distribute.MirroredStrategy):
     callers with the shapes."""
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        warn_if_keras_step_uneven(self, fn, args)
+        check_keras_step(self, fn, args)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def reduce(self, reduce_op, value, axis=None):

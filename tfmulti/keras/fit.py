@@ -100,33 +100,45 @@ def _overrides(model, name) -> bool:
 class _Logs:
     """Values a replica step returns that are not the model's metrics.
 
-    Kept in sync-on-read MEAN variables: a cross-replica read is the mean
-    over replicas, which is what Keras's own step functions return for them
-    (`reduce_per_replica(..., "auto")`). Names of the model's metrics are
-    read from the metrics themselves (summed over replicas), so they equal
-    one device where a per-replica `result()` would not.
+    Each replica keeps its value times its number of examples, and the
+    examples, in sync-on-read SUM variables: a cross-replica read is the
+    mean over replicas weighted by their real shares, which is the
+    one-device value of a per-batch mean even when a batch splits unevenly
+    (Keras's own step functions take the plain mean over replicas). Names
+    of the model's metrics are read from the metrics themselves (summed
+    over replicas), so they equal one device where a per-replica `result()`
+    would not.
     """
 
     def __init__(self, model, specs, keys):
-        self.model = model
         self.keys = list(keys)
         self.variables = {}
+
+        def zeros(shape):
+            return tf.Variable(
+                tf.zeros(shape, tf.float32), trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM)
+
         with model.distribute_strategy.scope():
+            self.examples = zeros([])
             for key, spec in specs.items():
                 if key in self.keys and key not in _metric_names(model):
-                    self.variables[key] = tf.Variable(
-                        tf.zeros(spec.shape, tf.float32), trainable=False,
-                        synchronization=tf.VariableSynchronization.ON_READ,
-                        aggregation=tf.VariableAggregation.MEAN)
+                    self.variables[key] = zeros(spec.shape)
 
-    def capture(self, logs):
+    def capture(self, logs, batch):
         """In replica context: keeps this replica's values of `logs`."""
+        examples = tf.cast(tf.shape(step_lib.first_tensor(batch))[0],
+                           tf.float32)
+        self.examples.assign(examples)
         for key, variable in self.variables.items():
-            variable.assign(tf.cast(logs[key], tf.float32))
+            variable.assign(tf.cast(logs[key], tf.float32) * examples)
 
     def read(self, metric_results):
         """In cross-replica context: the logs, in the step's key order."""
-        return {key: self.variables[key].read_value()
+        examples = self.examples.read_value()
+        return {key: tf.math.divide_no_nan(self.variables[key].read_value(),
+                                           examples)
                 if key in self.variables else metric_results[key]
                 for key in self.keys}
 
@@ -249,9 +261,7 @@ def _compute_loss_fn(model):
             y_pred = model(x)
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
                                    sample_weight=sample_weight, training=True)
-        local = tf.cast(tf.shape(
-            next(t for t in tf.nest.flatten(x) if t is not None))[0],
-            loss.dtype)
+        local = tf.cast(tf.shape(step_lib.first_tensor(x))[0], loss.dtype)
         if global_batch is None:
             tracked = loss * num_replicas
         else:
@@ -280,7 +290,7 @@ def _compute_loss_fn(model):
         logs = model.compute_metrics(x, y, y_pred,
                                      sample_weight=sample_weight)
         if state.train_extras is not None:
-            state.train_extras.capture(logs)
+            state.train_extras.capture(logs, x)
         return loss, y_pred
     return compute_loss
 
@@ -349,6 +359,32 @@ def _make_train_function(model, force=False):
     return train_function
 
 
+def _keras_test_step(model, batch, num_replicas):
+    """Keras's `test_step`, except that rows of sample weight 0 (the
+    padding of `tfmulti.distribute_dataset(..., training=False)`, which
+    makes every replica get the same number of batches) do not count in
+    the loss's denominator: the loss is that of the real examples, as one
+    device computes it on the unpadded data."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    if compat.call_has_training_arg(model):
+        y_pred = model(x, training=False)
+    else:
+        y_pred = model(x)
+    loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                               sample_weight=sample_weight, training=False)
+    rows = tf.shape(step_lib.first_tensor(x))[0]
+    examples = tf.cast(rows, loss.dtype)
+    counted = examples
+    if sample_weight is not None and not tf.nest.is_nested(sample_weight):
+        weights = tf.reshape(sample_weight, [rows, -1])
+        counted = tf.reduce_sum(tf.cast(tf.reduce_any(
+            tf.not_equal(weights, 0), axis=1), loss.dtype))
+    compat.loss_tracker(model).update_state(
+        tf.math.divide_no_nan(loss * num_replicas * examples, counted),
+        sample_weight=counted)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
 def _make_test_function(model, force=False):
     if model.test_function is not None and not force:
         return model.test_function
@@ -356,10 +392,15 @@ def _make_test_function(model, force=False):
     state = getattr(model, _STATE)
     state.test_logs = None
 
+    num_replicas = strategy.num_replicas_in_sync
+
     def test_step(batch):
-        logs = model.test_step(batch)
+        if _overrides(model, "test_step"):
+            logs = model.test_step(batch)
+        else:
+            logs = _keras_test_step(model, batch, num_replicas)
         if state.test_logs is not None:
-            state.test_logs.capture(logs)
+            state.test_logs.capture(logs, batch)
 
     @tf.function
     def run(iterator, num_steps):
@@ -380,8 +421,10 @@ def _make_test_function(model, force=False):
 
     def test_function(iterator):
         nonlocal custom_read
-        if custom_read is None and _overrides(model, "test_step"):
-            # A custom `test_step`'s own logs are what Keras's evaluate
+        if custom_read is None and (_overrides(model, "test_step") or
+                                    _overrides(model, "compute_metrics")):
+            # A custom `test_step`'s own logs (or those of Keras's, through
+            # a `compute_metrics` override) are what Keras's evaluate
             # returns: keep them (metric names read globally).
             specs = _discover_logs(model, model.test_step,
                                    iterator.element_spec)

@@ -64,7 +64,8 @@ def unpack_batch(batch):
         "dataset to such tuples.")
 
 
-def _first_tensor(x):
+def first_tensor(x):
+    """The first tensor of a (nested) batch: its rows are the examples."""
     return next(t for t in tf.nest.flatten(x) if t is not None)
 
 
@@ -78,7 +79,7 @@ def _equal_shares(strategy, batch) -> bool:
         return False
     sizes = set()
     for part in local:
-        shape = _first_tensor(part).shape
+        shape = first_tensor(part).shape
         sizes.add(None if shape.rank in (None, 0) else shape[0])
     return len(sizes) == 1 and None not in sizes
 
@@ -157,7 +158,7 @@ class TrainStep:
     def _global_batch(self, x):
         if self._equal_shares:
             return None
-        local = tf.cast(tf.shape(_first_tensor(x))[0], tf.float32)
+        local = tf.cast(tf.shape(first_tensor(x))[0], tf.float32)
         return tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, local,
             options=self._communication_options)
