@@ -75,6 +75,18 @@ def caught(fn):
                                         if "tfmulti" in str(w.message)]}
 
 
+def fit_and_evaluate(model, how, x, y, batch):
+    """Two epochs of full batches, then evaluate; `how` "distributed"
+    goes through tfmulti.keras.distributed, "plain" is Keras alone."""
+    if how == "distributed":
+        tfmulti.keras.distributed(model)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        batch, drop_remainder=True)
+    history = model.fit(ds, epochs=2, verbose=0)
+    return {"weights": weights(model), "history": history.history,
+            "eval": model.evaluate(ds, verbose=0, return_dict=True)}
+
+
 CASES = {}
 
 
@@ -134,13 +146,7 @@ def _indivisible(layout, how):
         model = mlp()
         model.compile(keras.optimizers.Adam(0.01), sce(),
                       metrics=["accuracy"])
-    if how == "distributed":
-        tfmulti.keras.distributed(model)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        64, drop_remainder=True)
-    history = model.fit(ds, epochs=2, verbose=0)
-    return {"weights": weights(model), "history": history.history,
-            "eval": model.evaluate(ds, verbose=0, return_dict=True)}
+    return fit_and_evaluate(model, how, x, y, 64)
 
 
 @case
@@ -186,13 +192,7 @@ def _subclassed(cls, layout, how):
                      keras.layers.Dense(16, activation="relu"),
                      keras.layers.Dense(3)])
         model.compile(keras.optimizers.SGD(0.1), sce(), metrics=["accuracy"])
-    if how == "distributed":
-        tfmulti.keras.distributed(model)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        32, drop_remainder=True)
-    history = model.fit(ds, epochs=2, verbose=0)
-    return {"weights": weights(model), "history": history.history,
-            "eval": model.evaluate(ds, verbose=0, return_dict=True)}
+    return fit_and_evaluate(model, how, x, y, 32)
 
 
 @case
@@ -236,16 +236,16 @@ def steps_per_execution(layouts):
 
 # -- TensorFlow's "Custom training with tf.distribute.Strategy" ------------
 # As written, apart from: the strategy line; generated images instead of
-# Fashion MNIST (small); GLOBAL_BATCH_SIZE fixed at 64 so that one device
+# Fashion MNIST (128/64 images); GLOBAL_BATCH_SIZE fixed at 64 so that one device
 # and N replicas train on the same batches; shuffle(..., seed=0) so that
 # both runs see the same order; 2 epochs, no checkpoint files.
 
 def _tutorial(layout):
     rng = np.random.default_rng(0)
-    train_images = rng.random((256, 28, 28, 1), dtype=np.float32)
-    train_labels = rng.integers(0, 10, 256).astype("uint8")
-    test_images = rng.random((128, 28, 28, 1), dtype=np.float32)
-    test_labels = rng.integers(0, 10, 128).astype("uint8")
+    train_images = rng.random((128, 28, 28, 1), dtype=np.float32)
+    train_labels = rng.integers(0, 10, 128).astype("uint8")
+    test_images = rng.random((64, 28, 28, 1), dtype=np.float32)
+    test_labels = rng.integers(0, 10, 64).astype("uint8")
     keras.utils.set_random_seed(1)
 
     strategy_ = strategy(layout)
@@ -358,7 +358,7 @@ def tf_custom_training_tutorial(layouts):
 
 # -- keras-io "Multi-GPU distributed training with TensorFlow" ------------
 # As written, apart from: the strategy line; generated arrays instead of
-# MNIST (1000/200/200 examples); a fixed seed; verbose=0.
+# MNIST (320/96/96 examples); a fixed seed; verbose=0.
 
 def _guide_multi_gpu(layout):
     def get_compiled_model():
@@ -376,12 +376,12 @@ def _guide_multi_gpu(layout):
 
     def get_dataset():
         batch_size = 32
-        num_val_samples = 200
+        num_val_samples = 96
         rng = np.random.default_rng(0)
-        x_train = rng.random((1200, 784), dtype=np.float32)
-        y_train = rng.integers(0, 10, 1200).astype("float32")
-        x_test = rng.random((200, 784), dtype=np.float32)
-        y_test = rng.integers(0, 10, 200).astype("float32")
+        x_train = rng.random((416, 784), dtype=np.float32)
+        y_train = rng.integers(0, 10, 416).astype("float32")
+        x_test = rng.random((96, 784), dtype=np.float32)
+        y_test = rng.integers(0, 10, 96).astype("float32")
         x_val = x_train[-num_val_samples:]
         y_val = y_train[-num_val_samples:]
         x_train = x_train[:-num_val_samples]

@@ -6,6 +6,8 @@ import pytest
 
 from tests.conformance.conftest import error_of
 
+pytestmark = pytest.mark.timeout(1500)
+
 
 @pytest.mark.slow
 def test_stock_mirrored_tutorial_still_fails(local):

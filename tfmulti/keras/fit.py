@@ -214,6 +214,19 @@ def _steps_this_call(model, state):
     return min(per_call, remaining)
 
 
+def _forward(model, x, y, sample_weight, *, training):
+    """Predictions and the compiled loss as Keras's own steps compute them;
+    `_compute_loss` accepts a pre-3.3 `compute_loss(x, y, y_pred,
+    sample_weight)` override as Keras does."""
+    if compat.call_has_training_arg(model):
+        y_pred = model(x, training=training)
+    else:
+        y_pred = model(x)
+    return y_pred, model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                       sample_weight=sample_weight,
+                                       training=training)
+
+
 def _loss_reduction(model):
     """"sum_over_batch_size" or "sum" if every compiled loss reduces that
     way (or there is none), else None: how Keras's compiled loss treats a
@@ -252,15 +265,8 @@ def _compute_loss_fn(model):
 
     def compute_loss(x, y, sample_weight, global_batch=None):
         # What Keras's `train_step` does, minus the gradient: the compiled
-        # loss is this replica's mean scaled by 1/replicas (Keras), and
-        # `_compute_loss` accepts a pre-3.3 `compute_loss(x, y, y_pred,
-        # sample_weight)` override as Keras does.
-        if compat.call_has_training_arg(model):
-            y_pred = model(x, training=True)
-        else:
-            y_pred = model(x)
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                   sample_weight=sample_weight, training=True)
+        # loss is this replica's mean scaled by 1/replicas (Keras).
+        y_pred, loss = _forward(model, x, y, sample_weight, training=True)
         local = tf.cast(tf.shape(step_lib.first_tensor(x))[0], loss.dtype)
         if global_batch is None:
             tracked = loss * num_replicas
@@ -299,8 +305,7 @@ def _train_metrics_logs(model):
     """The logs of `compute_metrics` in training (for the key discovery)."""
     def replica_fn(batch):
         x, y, sample_weight = step_lib.unpack_batch(batch)
-        y_pred = model(x, training=True) if compat.call_has_training_arg(model) \
-            else model(x)
+        y_pred, _ = _forward(model, x, y, sample_weight, training=True)
         return model.compute_metrics(x, y, y_pred,
                                      sample_weight=sample_weight)
     replica_fn.__name__ = "compute_metrics"
@@ -359,32 +364,6 @@ def _make_train_function(model, force=False):
     return train_function
 
 
-def _keras_test_step(model, batch, num_replicas):
-    """Keras's `test_step`, except that rows of sample weight 0 (the
-    padding of `tfmulti.distribute_dataset(..., training=False)`, which
-    makes every replica get the same number of batches) do not count in
-    the loss's denominator: the loss is that of the real examples, as one
-    device computes it on the unpadded data."""
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    if compat.call_has_training_arg(model):
-        y_pred = model(x, training=False)
-    else:
-        y_pred = model(x)
-    loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                               sample_weight=sample_weight, training=False)
-    rows = tf.shape(step_lib.first_tensor(x))[0]
-    examples = tf.cast(rows, loss.dtype)
-    counted = examples
-    if sample_weight is not None and not tf.nest.is_nested(sample_weight):
-        weights = tf.reshape(sample_weight, [rows, -1])
-        counted = tf.reduce_sum(tf.cast(tf.reduce_any(
-            tf.not_equal(weights, 0), axis=1), loss.dtype))
-    compat.loss_tracker(model).update_state(
-        tf.math.divide_no_nan(loss * num_replicas * examples, counted),
-        sample_weight=counted)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
 def _make_test_function(model, force=False):
     if model.test_function is not None and not force:
         return model.test_function
@@ -392,13 +371,8 @@ def _make_test_function(model, force=False):
     state = getattr(model, _STATE)
     state.test_logs = None
 
-    num_replicas = strategy.num_replicas_in_sync
-
     def test_step(batch):
-        if _overrides(model, "test_step"):
-            logs = model.test_step(batch)
-        else:
-            logs = _keras_test_step(model, batch, num_replicas)
+        logs = model.test_step(batch)
         if state.test_logs is not None:
             state.test_logs.capture(logs, batch)
 
