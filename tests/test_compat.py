@@ -72,3 +72,15 @@ def test_latest_checkpoint_still_globs(tmp_path):
     path = manager.save()
     assert tf.train.latest_checkpoint(str(directory)) is None, FIXED
     assert compat.checkpoint_prefixes(str(directory)) == [(1, path)]
+
+
+def test_checkpoint_readers_still_glob(tmp_path):
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    prefix = checkpoint.write(str(tmp_path / "lr[0.1]" / "ckpt-1"))
+    with pytest.raises(tf.errors.NotFoundError):
+        checkpoint.restore(prefix)
+        pytest.fail(FIXED)
+    checkpoint.v.assign(2.0)
+    with compat.readable_checkpoint(prefix) as readable:
+        checkpoint.restore(readable)
+    assert float(checkpoint.v) == 1.0

@@ -18,7 +18,7 @@ import pytest
 import tfmulti
 from tests.subproc import run_python, run_workers
 from tfmulti.keras import callbacks as callbacks_fn
-from tfmulti.keras.callbacks import BackupAndRestore, worker_temp_dir
+from tfmulti.keras.backup import BackupAndRestore, worker_temp_dir
 
 TOLERANCE = 1e-5
 WORKER = "tests/workers/keras_backup_worker.py"
@@ -87,7 +87,7 @@ def test_killed_two_worker_fit_resumes_to_uninterrupted_weights(
              str(tmp_path / "unshared" / "{index}"),
              str(tmp_path / "unshared-scratch")], 2, timeout=240,
             check=False):
-        assert rc != 0 and "do not read the same backup" in out, out[-4000:]
+        assert rc != 0 and "do not read the same checkpoint" in out, out[-4000:]
     # The non-chief had written its TensorBoard file there; its exit
     # handler removed its directory after the error.
     assert list((tmp_path / "unshared-scratch").iterdir()) == []
@@ -157,10 +157,16 @@ def test_backup_falls_back_over_a_corrupt_or_partial_save(tmp_path):
     model = _model()
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
               callbacks=[BackupAndRestore(backup_dir, delete_on_end=False)])
-    assert sorted(os.listdir(backup_dir)) == ["state-0", "state-1"]
-    # A truncated newest backup, and a partial one a killed process left.
-    (backup_dir / "state-1" / "model.weights.h5").write_bytes(b"\x89HDF")
-    (backup_dir / ".state-2.abc").mkdir()
+    assert sorted(n for n in os.listdir(backup_dir) if n.endswith(
+        ".index")) == ["ckpt-4.index", "ckpt-8.index"]
+    # Bit rot in the newest backup's data (one flipped bit), a partial save
+    # a killed process left (data without index), a junk state file.
+    data = backup_dir / "ckpt-8.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    (backup_dir / "ckpt-12.data-00000-of-00001").write_bytes(b"\0" * 64)
+    (backup_dir / "checkpoint").write_text("junk {{{")
 
     resumed = _model()
     backup = BackupAndRestore(backup_dir, delete_on_end=False)
@@ -168,7 +174,6 @@ def test_backup_falls_back_over_a_corrupt_or_partial_save(tmp_path):
                           verbose=0, callbacks=[backup])
     assert backup.restored == (1, 0)
     assert history.epoch == [1, 2]
-    assert not any(n.startswith(".") for n in os.listdir(backup_dir))
     # Keras keeps `_initial_epoch` otherwise: a later fit would skip epochs.
     assert resumed.fit(x, y, batch_size=8, epochs=1, verbose=0
                        ).epoch == [0]
@@ -216,7 +221,7 @@ def _paths(callback_list):
     paths = {}
     for c in callback_list:
         if isinstance(c, BackupAndRestore):
-            paths["BackupAndRestore"] = (c.backup_dir, c.restore_dir)
+            paths["BackupAndRestore"] = c.backup_dir
         elif isinstance(c, keras.callbacks.ModelCheckpoint):
             paths["ModelCheckpoint"] = c.filepath
         elif isinstance(c, keras.callbacks.TensorBoard):
@@ -233,8 +238,7 @@ def test_only_the_chief_writes_to_model_dir(tmp_path):
                                 cluster=tfmulti.ClusterConfig(
                                     cluster={"worker": workers})))
     assert chief == {
-        "BackupAndRestore": (str(model_dir / "backup"),
-                             str(model_dir / "backup")),
+        "BackupAndRestore": str(model_dir / "backup"),
         "ModelCheckpoint": str(model_dir / "checkpoints" /
                                "model-{epoch:04d}.keras"),
         "TensorBoard": str(model_dir / "logs")}
@@ -246,7 +250,9 @@ def test_only_the_chief_writes_to_model_dir(tmp_path):
     (temp / "left-by-a-killed-run").write_text("")
     assert _paths(callbacks_fn(model_dir, temp_root=scratch,
                                cluster=other)) == {
-        "BackupAndRestore": (str(temp / "backup"), str(model_dir / "backup")),
+        # Every worker reads the chief's backups; the checkpoint layer
+        # sends a non-chief's writes to its own temporary directory.
+        "BackupAndRestore": str(model_dir / "backup"),
         "ModelCheckpoint": str(temp / "checkpoints" /
                                "model-{epoch:04d}.keras"),
         "TensorBoard": str(temp / "logs"),

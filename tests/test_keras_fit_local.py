@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tests.test_keras_callbacks import _Killed, _KillAt
 import tfmulti
-from tfmulti.keras.callbacks import BackupAndRestore
+from tfmulti.keras.backup import BackupAndRestore
 
 
 STRATEGY = tfmulti.create_strategy("one_device")

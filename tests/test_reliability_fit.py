@@ -13,8 +13,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tfmulti import exit_codes  # noqa: E402
-from tfmulti.keras.callbacks import BackupAndRestore  # noqa: E402
-from tfmulti.training import NonFiniteLossError  # noqa: E402
+from tfmulti.keras.backup import BackupAndRestore  # noqa: E402
+from tfmulti.training import Checkpointer, NonFiniteLossError  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(48, 4)).astype("float32")
 Y = (np.arange(48) % 3).astype("int32")
@@ -75,7 +75,9 @@ def test_nan_loss_stops_with_the_batch_and_no_nan_backup(tmp_path):
                        match="loss is nan at epoch 0 batch 3"):
         fit(model, [BackupAndRestore(tmp_path, save_freq=1)], x=x)
     restored = make_model()
-    backup = BackupAndRestore(tmp_path)
-    backup.set_model(restored)
-    assert backup._restore() == (0, 2)
+    restored.optimizer.build(restored.trainable_variables)
+    position = Checkpointer(str(tmp_path), restored.distribute_strategy,
+                            model=restored,
+                            optimizer=restored.optimizer).restore()
+    assert (position.epoch, position.batch, position.step) == (0, 2, 2)
     assert all(np.all(np.isfinite(w.numpy())) for w in restored.weights)

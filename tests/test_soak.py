@@ -10,24 +10,28 @@ from concurrent import futures
 import pytest
 
 from tests.subproc import run_workers
+from tfmulti.bench import __main__ as bench_main
 from tfmulti.bench import parts
 
 SECONDS = 60
 
 
-def _soak(entry):
+def _soak(entry, configs):
     results = run_workers(
         ["-m", "tfmulti.bench.parts", "soak",
          json.dumps({"entry": entry, "seconds": SECONDS, "interval": 5})],
-        2, timeout=SECONDS + 240)
+        2, timeout=SECONDS + 240,
+        worker_env=lambda i: {"TF_CONFIG": json.dumps(configs[i])})
     return [parts.parse_result(out) for _, out in results]
 
 
 @pytest.mark.slow
 def test_two_worker_trainer_and_fit_stay_flat_for_a_minute():
+    entries = ("trainer", "fit")
+    # Both jobs at once, on distinct ports.
     with futures.ThreadPoolExecutor(2) as pool:
-        runs = dict(zip(("trainer", "fit"),
-                        pool.map(_soak, ("trainer", "fit"))))
+        runs = dict(zip(entries, pool.map(
+            _soak, entries, bench_main._two_clusters())))
     for entry, workers in runs.items():
         for index, result in enumerate(workers):
             samples = result["samples"]

@@ -43,6 +43,15 @@ def test_bad_options_get_clear_errors(probe):
     assert "`num_gpus` is 2" in errors["gpus"] and "0 GPU" in errors["gpus"]
     assert "`pack_bytes`" in errors["pack"]
     assert "`timeout_seconds`" in errors["timeout"]
+    assert "`stall_timeout_seconds` should be a positive number" in (
+        errors["stall"]) and "got -1" in errors["stall"]
+
+
+def test_explicit_collective_timeout_warns_once_about_threads(probe):
+    warned = probe[1]["timeout_warnings"]
+    assert len(warned) == 1, warned
+    assert "one thread alive per collective" in warned[0]
+    assert "`stall_timeout_seconds`" in warned[0]
 
 
 def test_simulate_devices_too_late_says_what_to_do(probe):

@@ -6,6 +6,7 @@ results as one device.
 """
 
 from tfmulti import keras
+from tfmulti import pipeline
 from tfmulti.cluster import ClusterConfig, cluster_config
 from tfmulti.data import distribute_dataset, tfds_dataset_fn
 from tfmulti.devices import simulate_devices
@@ -25,6 +26,7 @@ __all__ = [
     "create_strategy",
     "distribute_dataset",
     "keras",
+    "pipeline",
     "scaled_learning_rate",
     "simulate_devices",
     "tfds_dataset_fn",

@@ -12,9 +12,11 @@ a guard test in `tests/test_compat.py`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import warnings
 
 import keras
@@ -432,3 +434,29 @@ def mirrored_strategy_class():
     """The MirroredStrategy class to build for this Keras."""
     return (KerasMirroredStrategy if keras_major() >= 3
             else tf.distribute.MirroredStrategy)
+
+
+# --- Checkpoint readers glob the prefix ------------------------------------
+# Symptom: `tf.train.Checkpoint.restore` and `tf.train.load_checkpoint` of a
+# prefix whose path contains `[` `]` (or `*`, `?`) fail: "Unsuccessful
+# TensorSliceReader constructor: Failed to find any matching files", and an
+# escaped path is not found either; writing works. Checked: TF 2.21.0.
+# Guard: test_compat.py::test_checkpoint_readers_still_glob.
+_GLOB_CHARACTERS = frozenset("[]*?")
+
+
+@contextlib.contextmanager
+def readable_checkpoint(prefix: str):
+    """Yields a prefix TensorFlow can read for checkpoint `prefix`: itself,
+    or, when its path has glob characters, a temporary directory of
+    symbolic links to its files."""
+    if not _GLOB_CHARACTERS & set(prefix):
+        yield prefix
+        return
+    directory, stem = os.path.split(prefix)
+    with tempfile.TemporaryDirectory(prefix="tfmulti-ckpt-") as links:
+        for name in os.listdir(directory):
+            if name.startswith(stem + "."):
+                os.symlink(os.path.join(directory, name),
+                           os.path.join(links, name))
+        yield os.path.join(links, stem)

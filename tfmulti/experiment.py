@@ -47,6 +47,8 @@ class ExperimentConfig:
     steps_per_loop: int = 50
     model_dir: str = "/tmp/tfmulti"
     seed: int = 0
+    pipeline_stages: int = 1
+    micro_batches: int = 1
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -56,9 +58,33 @@ class ExperimentConfig:
                 "use GPUs, not both.")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"`steps` should be positive, got {self.steps}.")
+        if self.pipeline_stages > 1:
+            _check_pipeline(self)
+        elif self.micro_batches != 1:
+            raise ValueError(
+                f"`micro_batches`={self.micro_batches} needs "
+                "`pipeline_stages` > 1; for micro-batches on one model, use "
+                "grad_accum_steps.")
         if not self.model_dir:
             raise ValueError("`model_dir` is empty; give a directory for "
                              "checkpoints, events and metrics.json.")
+
+
+def _check_pipeline(config: ExperimentConfig) -> None:
+    """Options the pipeline's own loop does not implement."""
+    unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
+                   "clip_global_norm": config.clip_global_norm is not None,
+                   "mixed_precision": config.mixed_precision is not None,
+                   "sync_batchnorm": config.sync_batchnorm,
+                   "allreduce_dtype": config.allreduce_dtype is not None,
+                   "num_gpus": bool(config.num_gpus)}
+    for name, given in unsupported.items():
+        if given:
+            raise ValueError(
+                f"`{name}`={getattr(config, name)!r} is not supported with "
+                f"`pipeline_stages`={config.pipeline_stages}; drop it (use "
+                "micro_batches for smaller pieces of the batch; the "
+                "pipeline uses every visible GPU).")
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -99,6 +125,9 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     from tfmulti import strategies
     if config.cpu_replicas:
         devices.simulate_devices(config.cpu_replicas)
+    if config.pipeline_stages > 1:
+        from tfmulti.pipeline import recipe
+        return recipe.train_and_evaluate(config)
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
@@ -106,28 +135,15 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
     import keras
     import tensorflow as tf
     import tfmulti
-    from tfmulti import data
     from tfmulti import models
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
-    train_fn = data.tfds_dataset_fn(config.dataset, "train",
-                                    data_dir=config.data_dir)
-    test_fn = data.tfds_dataset_fn(config.dataset, "test",
-                                   data_dir=config.data_dir)
-    info = train_fn.builder.info
+    examples_per_update = config.global_batch_size * config.grad_accum_steps
+    info, train, test, steps_per_epoch, total_steps = input_data(
+        config, strategy, examples_per_update=examples_per_update)
     image_key, label_key = info.supervised_keys
     num_classes = info.features[label_key].num_classes
-    examples_per_update = config.global_batch_size * config.grad_accum_steps
-    steps_per_epoch = max(1, info.splits["train"].num_examples //
-                          examples_per_update)
-    total_steps = config.steps or config.epochs * steps_per_epoch
-    train = data.distribute_dataset(
-        strategy, train_fn, global_batch_size=config.global_batch_size,
-        seed=config.seed)
-    test = data.distribute_dataset(
-        strategy, test_fn, global_batch_size=config.global_batch_size,
-        training=False)
 
     with strategy.scope():
         keras.utils.set_random_seed(config.seed)
@@ -135,15 +151,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
                                   num_classes)
         if config.sync_batchnorm:
             tfmulti.keras.sync_batchnorm(model)
-        learning_rate = config.learning_rate
-        if config.lr_scaling or config.warmup_steps:
-            learning_rate = tfmulti.scaled_learning_rate(
-                config.learning_rate, base_batch_size=config.base_batch_size,
-                global_batch_size=examples_per_update if config.lr_scaling
-                else config.base_batch_size,
-                rule=config.lr_scaling or "linear",
-                warmup_steps=config.warmup_steps)
-        optimizer = keras.optimizers.Adam(learning_rate)
+        optimizer = keras.optimizers.Adam(learning_rate(
+            config, examples_per_update=examples_per_update))
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
     start = time.perf_counter()
@@ -203,6 +212,39 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         write_json_atomically(os.path.join(config.model_dir, "metrics.json"),
                               metrics)
     return metrics
+
+
+def input_data(config: ExperimentConfig, strategy, *,
+               examples_per_update: int):
+    """(TFDS info, train and test datasets, steps per epoch, total steps)."""
+    from tfmulti import data
+    train_fn = data.tfds_dataset_fn(config.dataset, "train",
+                                    data_dir=config.data_dir)
+    test_fn = data.tfds_dataset_fn(config.dataset, "test",
+                                   data_dir=config.data_dir)
+    info = train_fn.builder.info
+    steps_per_epoch = max(1, info.splits["train"].num_examples //
+                          examples_per_update)
+    total_steps = config.steps or config.epochs * steps_per_epoch
+    train = data.distribute_dataset(
+        strategy, train_fn, global_batch_size=config.global_batch_size,
+        seed=config.seed)
+    test = data.distribute_dataset(
+        strategy, test_fn, global_batch_size=config.global_batch_size,
+        training=False)
+    return info, train, test, steps_per_epoch, total_steps
+
+
+def learning_rate(config: ExperimentConfig, *, examples_per_update: int):
+    """The configured learning rate (or schedule) for this update size."""
+    from tfmulti import schedules
+    if not (config.lr_scaling or config.warmup_steps):
+        return config.learning_rate
+    return schedules.scaled_learning_rate(
+        config.learning_rate, base_batch_size=config.base_batch_size,
+        global_batch_size=examples_per_update if config.lr_scaling
+        else config.base_batch_size, rule=config.lr_scaling or "linear",
+        warmup_steps=config.warmup_steps)
 
 
 def _floats(values: dict) -> dict[str, float]:

@@ -80,6 +80,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("model_dir", "/tmp/tfmulti", "Checkpoints, "
                         "TensorBoard events and metrics.json go here.", **fv)
     flags.DEFINE_integer("seed", 0, "Random seed.", **fv)
+    flags.DEFINE_integer("pipeline_stages", 1, "Split the model into this "
+                         "many pipeline stages over the devices (groups of "
+                         "stages data-parallel over the rest); 1: no "
+                         "pipeline.", lower_bound=1, **fv)
+    flags.DEFINE_integer("micro_batches", 1, "Micro-batches per step and "
+                         "group with --pipeline_stages (the example CNN "
+                         "drops BatchNormalization when the batch is "
+                         "split).", lower_bound=1, **fv)
     flags.register_validator(
         "pack_bytes", lambda v: v is None or v > 0,
         "--pack_bytes must be positive when given.", flag_values=flag_values)
@@ -105,7 +113,8 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         mixed_precision=None if f.mixed_precision == "none"
         else f.mixed_precision,
         sync_batchnorm=f.sync_batchnorm, steps_per_loop=f.steps_per_loop,
-        model_dir=f.model_dir, seed=f.seed)
+        model_dir=f.model_dir, seed=f.seed,
+        pipeline_stages=f.pipeline_stages, micro_batches=f.micro_batches)
 
 
 def recipe_main(loop: str) -> Callable[[list[str]], None]:

@@ -15,8 +15,7 @@ import warnings
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import compat
-from tfmulti import watchdog
+from tfmulti import compat, watchdog
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")

@@ -22,9 +22,18 @@ def _tf_class(strategy):
 for name in ("auto", "one_device", "mirrored"):
     s = tfmulti.create_strategy(name, cluster=tfmulti.ClusterConfig())
     result["created"][name] = [_tf_class(s), s.num_replicas_in_sync]
-s = tfmulti.create_strategy("mirrored", devices=devices[:1],
-                            all_reduce="reduce_to_one", pack_bytes=1 << 20,
+import warnings  # noqa: E402
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    s = tfmulti.create_strategy("mirrored", devices=devices[:1],
+                                all_reduce="reduce_to_one",
+                                pack_bytes=1 << 20, timeout_seconds=30)
+    tfmulti.create_strategy("mirrored", devices=devices[:1],
                             timeout_seconds=30)
+# An explicit per-collective timeout warns once per process (issue 19).
+result["timeout_warnings"] = [str(w.message) for w in caught
+                              if "timeout_seconds" in str(w.message)]
 result["created"]["mirrored_subset"] = [_tf_class(s),
                                         s.num_replicas_in_sync]
 opts = tfmulti.strategies.communication_options(s)
@@ -47,6 +56,7 @@ for label, kwargs in {
         "gpus": dict(name="mirrored", num_gpus=2),
         "pack": dict(name="mirrored", pack_bytes=-1),
         "timeout": dict(name="mirrored", timeout_seconds=0),
+        "stall": dict(name="mirrored", stall_timeout_seconds=-1),
 }.items():
     try:
         tfmulti.create_strategy(**kwargs)

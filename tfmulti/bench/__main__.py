@@ -38,6 +38,7 @@ MODES = {
         "communication": {"params": 10_000_000, "steps": 3, "repeats": 5},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
         "soak": {"seconds": 300, "interval": 10},
+        "pipeline_bubble": {"stages": (2, 4)},
     },
     "quick": {
         "replicas": (1, 2, 4),
@@ -61,7 +62,7 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory", "soak")
+              "accumulation_memory", "soak", "pipeline_bubble")
 
 
 def _kill(proc):
@@ -177,22 +178,43 @@ def _input_pipeline(mode, timeout):
     return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
+def _two_clusters():
+    """Two 2-worker loopback clusters on four distinct free ports."""
+    ports = [int(a.rsplit(":", 1)[1]) for a in cluster_lib.local_cluster(
+        4)[0]["cluster"]["worker"]]
+    return [cluster_lib.local_cluster(2, ports=ports[:2]),
+            cluster_lib.local_cluster(2, ports=ports[2:])]
+
+
 def _soak(mode, timeout):
     # Minutes long by design: the full bench only.
     if "soak" not in mode:
         return None
-    configs = cluster_lib.local_cluster(2)
     settings = mode["soak"]
-    return {entry: _run_part(
+    # The two jobs at once: threads, memory and files are per process, and
+    # the part stays minutes long rather than twice that.
+    return _in_turn({entry: (lambda entry=entry, configs=configs: _run_part(
         "soak", dict(settings, entry=entry),
         timeout=max(timeout, settings["seconds"] + 240),
-        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
-        for entry in ("trainer", "fit")}
+        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
+        for entry, configs in zip(("trainer", "fit"), _two_clusters())},
+        True)
+
+
+def _pipeline_bubble(mode, timeout):
+    # Full runs only: S stages need S cores to overlap, and the bubble is a
+    # property of the schedule, not worth a minute of every --quick run.
+    if "pipeline_bubble" not in mode:
+        return None
+    return {str(s): _run_part("pipeline_bubble", {"stages": s},
+                              timeout=timeout)[0]
+            for s in mode["pipeline_bubble"]["stages"]}
 
 
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
-           "accumulation_memory": _accumulation_memory, "soak": _soak}
+           "accumulation_memory": _accumulation_memory, "soak": _soak,
+           "pipeline_bubble": _pipeline_bubble}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -224,7 +246,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "soak": None, "errors": {}}
+               "soak": None, "pipeline_bubble": None, "errors": {}}
 
     def one(name):
         part_began = time.monotonic()

@@ -45,12 +45,18 @@ def _soak(**kwargs):
     return soak.run(**kwargs)
 
 
+def _pipeline_bubble(**kwargs):
+    from tfmulti.bench import pipeline_bubble
+    return pipeline_bubble.measure(**kwargs)
+
+
 PARTS = {
     "step_overhead": _step_overhead,
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,
     "soak": _soak,
+    "pipeline_bubble": _pipeline_bubble,
 }
 
 

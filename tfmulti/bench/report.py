@@ -91,7 +91,7 @@ def goals(results: dict) -> list[dict]:
     if pipe:
         add("input pipeline / in-memory (paired)", pipe["ratio_paired"],
             ">= 0.95", pipe["ratio_paired"] >= 0.95)
-    comm = results.get("communication", {}).get("configs")
+    comm = (results.get("communication") or {}).get("configs")
     if comm:
         f32, b16 = comm["one_pack_float32"], comm["one_pack_bfloat16"]
         ratio = b16["payload_bytes"] / f32["payload_bytes"]
@@ -204,6 +204,9 @@ def markdown(results: dict) -> str:
                      f" {_fmt(mem['large_vs_batch'])}; added by training, "
                      f"accumulated / batch B: "
                      f"{_fmt(mem['accum_vs_batch_training'])}.")
+    if results.get("pipeline_bubble"):
+        from tfmulti.bench import pipeline_bubble
+        lines += pipeline_bubble.markdown(results["pipeline_bubble"])
     if results["errors"]:
         lines += ["", "## Errors", ""]
         lines += [f"- {part}: {msg.splitlines()[-1] if msg else ''}"

@@ -1,10 +1,11 @@
 """Keras `model.fit` under tfmulti's strategies."""
 
-from tfmulti.keras.callbacks import callbacks
+from tfmulti.keras.backup import BackupAndRestore, callbacks
 from tfmulti.keras.fit import distributed
 from tfmulti.keras.sync_batchnorm import sync_batchnorm
 
 __all__ = [
+    "BackupAndRestore",
     "callbacks",
     "distributed",
     "sync_batchnorm",

@@ -1,7 +1,9 @@
-"""The training layer: replica step, inner loop, Trainer, checkpoints,
-summaries."""
+"""The training layer: replica step, inner loop, controller and actions,
+Trainer, the one checkpoint format, summaries."""
 
-from tfmulti.training.checkpoints import Checkpointer
+from tfmulti.training.checkpoints import Checkpointer, Position
+from tfmulti.training.controller import (Action, Controller, LoopResult,
+                                         PeriodicAction, Schedule)
 from tfmulti.training.gradients import (all_reduce_sum, clip_by_global_norm,
                                         disable_optimizer_reduction)
 from tfmulti.training.loop import create_train_loop
@@ -12,7 +14,13 @@ from tfmulti.training.summaries import ScalarWriter
 from tfmulti.training.trainer import Trainer
 
 __all__ = [
+    "Action",
     "Checkpointer",
+    "Controller",
+    "LoopResult",
+    "PeriodicAction",
+    "Position",
+    "Schedule",
     "GradientOptions",
     "NonFiniteLossError",
     "PreemptionWatcher",

@@ -1,14 +1,31 @@
-"""Checkpoints in `model_dir`, written by the chief only.
+"""The one checkpoint format of tfmulti: weights, optimizer and position.
 
-Under MultiWorkerMirroredStrategy saving may run collectives, so every
-worker must save (saving only on the chief can deadlock); non-chief workers
-save to a temporary directory of their own and remove it afterwards, so only
-the chief's files reach `model_dir` and workers never clash
-(`MergeV2Checkpoints` NotFoundError).
+Both entry points (the Trainer and Keras `fit` through
+`tfmulti.keras.callbacks`) save a `tf.train.Checkpoint` of the model, the
+optimizer and a `Position` (updates made, epoch and batch for `fit`, the
+global batch, replicas and workers, and the `extra` state of later features)
+as `ckpt-<step>` in one directory, so a job resumes under either.
+
+Rules, each tested:
+- Chief-only writes: under MultiWorkerMirroredStrategy saving may run
+  collectives, so every worker saves (saving only on the chief can
+  deadlock); non-chief workers write to `worker_temp_dir` and remove it.
+- Integrity: TensorFlow checksums every tensor; a checkpoint that does not
+  read back (bit rot, truncation, a save killed midway) is skipped and the
+  newest intact one restored. The `checkpoint` state file and the directory
+  name are not trusted (TensorFlow's `latest_checkpoint` globs the path, so
+  a `model_dir` with `[` `]` never resumed): the directory listing is.
+- Never a non-finite state: weights holding NaN or inf are refused, and
+  rotation never removes the newest checkpoint saved at a finite loss.
+- One writer: the chief holds `model_dir_lock.Lock` while it writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -16,66 +33,242 @@ import tempfile
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti.training import numerics
+from tfmulti import compat
+from tfmulti.training import model_dir_lock, numerics
 
-_MAX_TO_KEEP = 3
+FORMAT = 1
+_BASENAME = "ckpt"
+_KEEP = 3
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Position:
+    """Where training stands, saved with the weights.
+
+    Attributes:
+      step: optimizer updates made.
+      examples: training examples consumed (all workers).
+      epoch: Keras `fit` only: the epoch being trained (0-based).
+      batch: Keras `fit` only: steps of `epoch` done.
+      global_batch_size: examples per micro-batch over all replicas.
+      batches_per_step: micro-batches per update (gradient accumulation).
+      num_replicas: replicas in sync when saved.
+      num_workers: worker processes when saved.
+      loss_finite: whether the last loss before the save was finite.
+      extra: JSON-able state of other features (e.g. their counters).
+    """
+
+    step: int = 0
+    examples: int = 0
+    epoch: int | None = None
+    batch: int | None = None
+    global_batch_size: int | None = None
+    batches_per_step: int = 1
+    num_replicas: int | None = None
+    num_workers: int | None = None
+    loss_finite: bool = True
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Position":
+        state = json.loads(text)
+        state.pop("format", None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in state.items() if k in names})
+
+    def changes_to(self, now: "Position") -> list[str]:
+        """What differs in the topology between this saved position and
+        `now`, in words (empty when nothing does)."""
+        said = []
+        for name, what in (("num_workers", "workers"),
+                           ("num_replicas", "replicas")):
+            before, after = getattr(self, name), getattr(now, name)
+            if None not in (before, after) and before != after:
+                said.append(f"{what} {before} -> {after}")
+        if said and self.global_batch_size and self.num_replicas and (
+                now.num_replicas):
+            said.append(
+                f"global batch {self.global_batch_size} kept, per-replica "
+                f"batch {self.global_batch_size // self.num_replicas} -> "
+                f"{self.global_batch_size // now.num_replicas}")
+        return said
+
+
+class _PositionState(tf.train.experimental.PythonState):
+    """The `Position`, inside the checkpoint (checksummed with it)."""
+
+    def __init__(self):
+        self.position = Position()
+
+    def serialize(self):
+        return self.position.to_json()
+
+    def deserialize(self, string_value):
+        value = string_value.numpy() if hasattr(string_value, "numpy") else (
+            string_value)
+        self.position = Position.from_json(
+            value.decode() if isinstance(value, bytes) else value)
+
+
+def worker_temp_dir(model_dir, *, cluster=None, temp_root=None) -> str:
+    """The temporary directory a non-chief worker writes instead of
+    `model_dir`. It depends only on `model_dir` and the worker's rank, so a
+    run restarted after a crash finds and removes what the killed one left.
+    """
+    cluster = cluster or cluster_lib.cluster_config()
+    digest = hashlib.sha256(os.path.abspath(
+        os.fspath(model_dir)).encode()).hexdigest()[:12]
+    return os.path.join(temp_root or tempfile.gettempdir(),
+                        f"tfmulti-{digest}-worker{cluster.worker_rank}")
+
+
+def read_position(prefix: str) -> Position | None:
+    """The `Position` saved in checkpoint `prefix`, without restoring it;
+    None if the checkpoint has none or cannot be read."""
+    try:
+        with compat.readable_checkpoint(prefix) as readable:
+            reader = tf.train.load_checkpoint(readable)
+            key = next(k for k in reader.get_variable_to_shape_map()
+                       if k.startswith("position/"))
+            return Position.from_json(reader.get_tensor(key).decode())
+    except (StopIteration, ValueError, tf.errors.OpError):
+        return None
 
 
 class Checkpointer:
-    """A `tf.train.CheckpointManager` over `model_dir` with the chief rule.
+    """Saves and restores the one checkpoint format in `model_dir`.
 
     Args:
-      model_dir: the job's directory; the chief's checkpoints go here.
+      model_dir: the job's checkpoint directory (the chief writes it; every
+        worker reads it, so it must be on storage all workers see).
       strategy: the strategy (decides who is chief).
-      **trackables: what to save, e.g. model=, optimizer=, step=.
+      keep: checkpoints kept (plus the newest saved at a finite loss).
+      **trackables: what to save besides the position, e.g. model=,
+        optimizer=; later features add their own.
     """
 
-    def __init__(self, model_dir: str, strategy, **trackables):
-        self._model_dir = model_dir
-        self._chief = cluster_lib.of_strategy(strategy).is_chief
-        if self._chief:
-            check_writable(model_dir)
+    def __init__(self, model_dir: str, strategy, *, keep: int = _KEEP,
+                 **trackables):
+        self._model_dir = os.fspath(model_dir)
+        self._cluster = cluster_lib.of_strategy(strategy)
+        self._chief = self._cluster.is_chief
+        self._keep = keep
         self._trackables = trackables
+        self._state = _PositionState()
+        self.checkpoint = tf.train.Checkpoint(position=self._state,
+                                              **trackables)
+        # Created now so that `write` saves it and `restore` finds it.
+        _ = self.checkpoint.save_counter
         self.last_saved_step = None
-        self.checkpoint = tf.train.Checkpoint(**trackables)
-        self._manager = tf.train.CheckpointManager(
-            self.checkpoint, model_dir, max_to_keep=_MAX_TO_KEEP
-        ) if self._chief else None
+        self._lock = None
+        if self._chief:
+            check_writable(self._model_dir)
+            self._lock = model_dir_lock.acquire(self._model_dir)
 
-    def restore_latest(self) -> str | None:
-        """Restores the chief's latest checkpoint in `model_dir`, if any.
+    def close(self) -> None:
+        """Releases the `model_dir` lock (the chief's)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def model_dir(self) -> str:
+        return self._model_dir
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes `model_dir`."""
+        return self._chief
+
+    def delete_all(self) -> None:
+        """Removes every checkpoint and the state file (the chief's)."""
+        for _, prefix in self.checkpoints():
+            _remove_checkpoint(prefix)
+        for name in ("checkpoint",):
+            try:
+                os.remove(os.path.join(self._model_dir, name))
+            except FileNotFoundError:
+                pass
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """`(step, prefix)` of the complete checkpoints, oldest first."""
+        return compat.checkpoint_prefixes(self._model_dir,
+                                          basename=_BASENAME)
+
+    def restore(self) -> Position | None:
+        """Restores the newest checkpoint that reads back intact.
 
         Returns:
-          The checkpoint path restored, or None.
+          Its `Position` (also in `.restored_path`), or None if there is no
+          checkpoint.
+
+        Raises:
+          ValueError: no checkpoint matches this model and optimizer, or
+            none reads back.
         """
-        path = tf.train.latest_checkpoint(self._model_dir)
-        if path:
+        self.restored_path = None
+        failures = []
+        for _, path in reversed(self.checkpoints()):
             try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
+                with compat.readable_checkpoint(path) as readable:
+                    self.checkpoint.restore(
+                        readable).assert_existing_objects_matched()
             except (AssertionError, ValueError, tf.errors.OpError) as e:
-                raise ValueError(
-                    f"`model_dir` {self._model_dir!r} holds the checkpoint "
-                    f"{path!r}, which does not match this model and "
-                    "optimizer (another architecture, layer sizes or "
-                    "optimizer), so it cannot be restored. Use a new "
-                    "`model_dir` for a new model, or delete the old "
-                    "checkpoints to start over. TensorFlow said: "
-                    f"{str(e).strip()[:400]}") from e
-        return path
+                failures.append((path, e))
+                continue
+            for bad, e in failures:
+                _log.warning("tfmulti: checkpoint %s does not read back "
+                             "(%s); resumed from the older %s", bad,
+                             str(e).strip()[:200], path)
+            self.restored_path = path
+            return self._state.position
+        if not failures:
+            return None
+        path, e = failures[0]
+        if all(isinstance(f, (AssertionError, ValueError))
+               for _, f in failures):
+            raise ValueError(
+                f"`model_dir` {self._model_dir!r} holds the checkpoint "
+                f"{path!r}, which does not match this model and optimizer "
+                "(another architecture, layer sizes or optimizer), so it "
+                "cannot be restored. Use a new `model_dir` for a new model, "
+                "or delete the old checkpoints to start over. TensorFlow "
+                f"said: {str(e).strip()[:400]}") from e
+        raise ValueError(
+            f"None of the {len(failures)} checkpoint(s) in `model_dir` "
+            f"{self._model_dir!r} reads back: "
+            + "; ".join(f"{p}: {type(f).__name__}: {str(f).strip()[:150]}"
+                        for p, f in failures)
+            + ". They are damaged (storage fault or a copy cut short); "
+            "restore them from a backup, or use a new `model_dir` to start "
+            "over.") from e
 
-    def save(self, step: int) -> str | None:
-        """Saves as checkpoint number `step`; returns the chief's path.
+    def restore_latest(self) -> str | None:
+        """Restores the newest intact checkpoint; returns its path or None."""
+        self.restore()
+        return self.restored_path
 
-        Refuses (ValueError) to save NaN or inf weights, so the latest
-        checkpoint is always one worth resuming from. TensorFlow writes the
-        data files first and then replaces the `checkpoint` state file
-        atomically, so a process killed mid-save leaves the previous
-        checkpoint as the latest (tested).
-        """
+    def _refuse_nonfinite(self, step):
         bad = [name for key in ("model", "optimizer")
                if key in self._trackables
                for name in numerics.nonfinite_variables(
                    self._trackables[key].variables)]
+        if not bad:
+            bad = numerics.nonfinite_variables(
+                [v for key, t in self._trackables.items()
+                 if key not in ("model", "optimizer")
+                 for v in getattr(t, "variables", [t])
+                 if isinstance(v, tf.Variable)])
         if bad:
             raise ValueError(
                 f"Refusing to save checkpoint {step} to `model_dir` "
@@ -83,17 +276,77 @@ class Checkpointer:
                 f"inf (first: {bad[0]!r}). The latest checkpoint there is "
                 "the last finite state; fix the divergence (learning rate, "
                 "`clip_global_norm`, input) and resume from it.")
-        self.last_saved_step = step
-        if self._chief:
-            return self._manager.save(checkpoint_number=step)
-        directory = tempfile.mkdtemp(prefix="tfmulti_ckpt_worker_")
+
+    def save(self, position: Position | int) -> str | None:
+        """Saves `position` (or just a step number) with the weights.
+
+        Every worker calls it; only the chief's files reach `model_dir`.
+        TensorFlow writes the `.index` file last, so a process killed
+        mid-save leaves an incomplete checkpoint that `restore` skips.
+
+        Returns:
+          The chief's checkpoint prefix; None on other workers.
+
+        Raises:
+          ValueError: a saved variable holds NaN or inf.
+        """
+        if not isinstance(position, Position):
+            position = Position(step=int(position))
+        self._refuse_nonfinite(position.step)
+        self._state.position = position
+        self.last_saved_step = position.step
+        if not self._chief:
+            directory = worker_temp_dir(self._model_dir,
+                                        cluster=self._cluster)
+            try:
+                self.checkpoint.write(os.path.join(directory, _BASENAME))
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            return None
+        prefix = os.path.join(self._model_dir,
+                              f"{_BASENAME}-{position.step}")
+        path = self.checkpoint.write(prefix)
+        kept = self.checkpoints()
+        self._rotate(kept)
+        _write_state_file(self._model_dir, [p for _, p in kept[-self._keep:]])
+        return path
+
+    def _rotate(self, kept):
+        old = kept[:-self._keep]
+        if not old:
+            return
+        newest_finite = next(
+            (p for _, p in reversed(kept) if (read_position(p) or Position(
+            )).loss_finite), None)
+        for _, prefix in old:
+            if prefix != newest_finite:
+                _remove_checkpoint(prefix)
+
+
+def _remove_checkpoint(prefix):
+    directory, stem = os.path.split(prefix)
+    # The index first: a half-removed checkpoint is never taken as whole.
+    names = sorted((n for n in os.listdir(directory)
+                    if n.startswith(stem + ".")),
+                   key=lambda n: not n.endswith(".index"))
+    for name in names:
         try:
-            tf.train.CheckpointManager(self.checkpoint, directory,
-                                       max_to_keep=1).save(
-                                           checkpoint_number=step)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        return None
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
+def _write_state_file(model_dir, prefixes):
+    """TensorFlow's `checkpoint` state file, for its tools
+    (`tf.train.latest_checkpoint`, TensorBoard); tfmulti never reads it.
+    Replaced atomically."""
+    names = [os.path.basename(p) for p in prefixes]
+    text = f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
+        f'all_model_checkpoint_paths: "{n}"\n' for n in names)
+    partial = os.path.join(model_dir, ".checkpoint.partial")
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, os.path.join(model_dir, "checkpoint"))
 
 
 def check_writable(model_dir: str) -> None:
@@ -107,3 +360,31 @@ def check_writable(model_dir: str) -> None:
             f"`model_dir` {model_dir!r} is not a writable directory "
             f"({e.strerror or e}). Pass a directory this process (the chief) "
             "can create and write, on storage every worker can read.") from e
+
+
+def check_workers_agree(strategy, position: Position | None) -> None:
+    """Raises unless every worker restored the same position.
+
+    One all-reduce: the positions agree iff their variance over the
+    replicas is zero (ReduceOp has no MIN/MAX); float64 keeps it exact.
+    Call on every worker at the same point.
+    """
+    position = position or Position()
+    values = [position.step, position.epoch or 0, position.batch or 0]
+    local = tf.constant([1.0] + values + [v * v for v in values],
+                        tf.float64)
+
+    @tf.function
+    def all_sums():
+        return strategy.run(lambda: tf.distribute.get_replica_context(
+        ).all_reduce(tf.distribute.ReduceOp.SUM, local))
+
+    sums = strategy.experimental_local_results(all_sums())[0].numpy()
+    n, firsts, squares = sums[0], sums[1:4], sums[4:]
+    if any(n * s != f * f for f, s in zip(firsts, squares)):
+        raise RuntimeError(
+            f"This worker would resume at step {position.step} (epoch "
+            f"{position.epoch}, batch {position.batch}), but the {n:.0f} "
+            f"replicas average step {firsts[0] / n:g}: the workers do not "
+            "read the same checkpoint. Put `model_dir` on a filesystem "
+            "every worker can read (NFS, GCS, ...).")

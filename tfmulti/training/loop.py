@@ -35,7 +35,7 @@ def sum_over_replicas(strategy, local):
     return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
 
 
-def create_train_loop(step_fn, *, strategy):
+def create_train_loop(step_fn, *, strategy, metrics=()):
     """Builds `train(iterator, num_steps)`: `num_steps` calls of `step_fn`.
 
     Args:
@@ -43,17 +43,23 @@ def create_train_loop(step_fn, *, strategy):
         `tf.function`; returns a per-replica scalar (e.g. a `TrainStep`'s
         loss share) whose sum over replicas is that step's value.
       strategy: the strategy `step_fn` runs under.
+      metrics: Keras metrics that `step_fn` updates: reset at the start of
+        each call and read at its end, inside the one `tf.function` (no
+        eager collective per metric variable between loops).
 
     Returns:
       `train(iterator, num_steps) -> tf.Tensor` of shape [num_steps]: per
-      step, the sum over replicas of `step_fn`'s value. `num_steps` must be
-      a scalar `tf.Tensor`, so that one trace serves every loop length.
+      step, the sum over replicas of `step_fn`'s value; with `metrics`, a
+      pair (that tensor, {metric name: result}). `num_steps` must be a
+      scalar `tf.Tensor`, so that one trace serves every loop length.
     """
 
     num_local = len(strategy.extended.worker_devices)
 
     @tf.function
     def loop(iterator, num_steps):
+        for metric in metrics:
+            metric.reset_state()
         # One array per local replica, written on that replica's device: no
         # cross-device copy per step, one sum after the loop.
         values = [tf.TensorArray(tf.float32, size=num_steps)
@@ -62,8 +68,11 @@ def create_train_loop(step_fn, *, strategy):
             local = strategy.experimental_local_results(step_fn(iterator))
             values = [array.write(i, tf.cast(value, tf.float32))
                       for array, value in zip(values, local)]
-        return sum_over_replicas(strategy, tf.add_n(
+        losses = sum_over_replicas(strategy, tf.add_n(
             [array.stack() for array in values]))
+        if not metrics:
+            return losses
+        return losses, {m.name: m.result() for m in metrics}
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)

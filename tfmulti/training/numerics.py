@@ -61,8 +61,8 @@ def mode_for(optimizer, on_nonfinite: str) -> str:
     return on_nonfinite
 
 
-def check_losses(losses, *, first_step: int, on_nonfinite: str = "raise"
-                 ) -> list[int]:
+def check_losses(losses, *, first_step: int, on_nonfinite: str = "raise",
+                 where=None, fix="`clip_global_norm`") -> list[int]:
     """Raises `NonFiniteLossError` naming the first step with a bad loss.
 
     Args:
@@ -71,6 +71,9 @@ def check_losses(losses, *, first_step: int, on_nonfinite: str = "raise"
         `first_step + 1`).
       on_nonfinite: "raise", or "skip" (the optimizer skipped those updates;
         nothing is raised).
+      where: `where(step)` names a step in the message (default "step N
+        (k of the n steps a-b are not finite)").
+      fix: the clipping option to suggest.
 
     Returns:
       The steps whose loss was not finite (skipped with "skip").
@@ -80,15 +83,16 @@ def check_losses(losses, *, first_step: int, on_nonfinite: str = "raise"
         return [first_step + int(i) + 1 for i in bad]
     if bad.size:
         step = first_step + int(bad[0]) + 1
+        place = where(step) if where else (
+            f"step {step} ({bad.size} of the {len(losses)} steps "
+            f"{first_step + 1}-{first_step + len(losses)} are not finite)")
         raise NonFiniteLossError(
-            f"The training loss is {float(losses[bad[0]])} at step {step} "
-            f"({bad.size} of the {len(losses)} steps {first_step + 1}-"
-            f"{first_step + len(losses)} are not finite); training stopped "
-            "before saving a checkpoint of these weights, so model_dir still "
-            "holds the last finite one. Usual fixes: a lower learning rate, "
-            "`clip_global_norm`, loss scaling for float16, or check the "
-            "input for NaN/inf; or Trainer(on_nonfinite='skip') to skip "
-            "such updates.", step=step)
+            f"The training loss is {float(losses[bad[0]])} at {place}; "
+            "training stopped before saving a checkpoint of these weights, "
+            "so model_dir still holds the last finite one. Usual fixes: a "
+            f"lower learning rate, {fix}, loss scaling for float16, or "
+            "check the input for NaN/inf; or Trainer(on_nonfinite='skip') "
+            "to skip such updates.", step=step)
     return []
 
 

@@ -79,21 +79,29 @@ def watching(strategy, *, enabled=True):
         yield watcher
 
 
-def save_and_exit_if_preempted(watcher, checkpointer, step, *, say=print):
-    """At a loop boundary: if any worker was preempted, save and exit.
+def save_and_exit_if_preempted(watcher, checkpointer, position, *,
+                               say=print):
+    """At a step boundary: if any worker was preempted, save and exit.
 
     Args:
       watcher: a `PreemptionWatcher` or None (then nothing happens).
-      checkpointer: the `Checkpointer` to save with (every worker calls it).
-      step: the step every worker has reached.
+      checkpointer: the `checkpoints.Checkpointer` every worker saves with.
+      position: the `checkpoints.Position` (or step) every worker reached.
       say: prints a line (the chief's).
     """
     if watcher is None or not watcher.agreed():
         return
+    step = getattr(position, "step", position)
     if checkpointer.last_saved_step != step:
-        checkpointer.save(step)
-    say(f"preempted: saved the checkpoint of step {step}; exiting with code "
-        f"{exit_codes.PREEMPTED} so the job is restarted and resumes there")
+        checkpointer.save(position)
+    watcher.__exit__(None, None, None)
+    exit_preempted(say=say, what=f"saved the checkpoint of step {step}")
+
+
+def exit_preempted(*, say=print, what="the last checkpoint is current"):
+    """Exits with `exit_codes.PREEMPTED`, saying so."""
+    say(f"preempted: {what}; exiting with code {exit_codes.PREEMPTED} so "
+        "the job is restarted and resumes there")
     sys.exit(exit_codes.PREEMPTED)
 
 

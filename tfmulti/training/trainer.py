@@ -8,15 +8,19 @@ precision, N steps per `tf.function`, checkpoints and TensorBoard scalars in
 
 from __future__ import annotations
 
+import functools
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
 from tfmulti import compat, peer_failure, strategies
+from tfmulti.training import actions as actions_lib
 from tfmulti.training import checkpoints as checkpoints_lib
+from tfmulti.training import controller as controller_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
@@ -183,9 +187,9 @@ class Trainer:
             self.metrics = [_resolve_metric(m, self.strategy)
                             for m in metrics]
             self._eval_loss = keras.metrics.Mean(name="loss")
-            self._step = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="global_step",
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # Updates made; restored from the checkpoint's position. A host int:
+        # a mirrored variable would cost a device round trip every loop.
+        self._steps_done = 0
         gradients_lib.disable_optimizer_reduction(optimizer)
         self.optimizer = optimizer
         self._loops = {}
@@ -197,7 +201,7 @@ class Trainer:
     @property
     def step(self) -> int:
         """Optimizer updates made so far (restored with a checkpoint)."""
-        return int(self._step.numpy())
+        return self._steps_done
 
     def _check_precision(self, mixed_precision):
         model_policy = self.model.dtype_policy.name
@@ -245,7 +249,7 @@ class Trainer:
                 communication_options=strategies.communication_options(
                     self.strategy))
             self._loops[global_batch_size] = loop_lib.create_train_loop(
-                train_step, strategy=self.strategy)
+                train_step, strategy=self.strategy, metrics=self.metrics)
         return self._loops[global_batch_size]
 
     def _distribute(self, data, global_batch_size):
@@ -304,47 +308,82 @@ class Trainer:
 
     def _checkpointer(self, iterator):
         """A Checkpointer, and whether it saves the iterator's position."""
-        trackables = dict(model=self.model, optimizer=self.optimizer,
-                          step=self._step)
+        trackables = dict(model=self.model, optimizer=self.optimizer)
         if compat.is_trackable(iterator):
             trackables["iterator"] = iterator
         return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
                                              **trackables),
                 "iterator" in trackables)
 
-    def _restore(self, iterator, fresh_iterator, verbose):
+    def _position(self, step, batch, *, loss_finite=True):
+        cluster = cluster_lib.of_strategy(self.strategy)
+        accum = self._options.grad_accum_steps
+        return checkpoints_lib.Position(
+            step=step, examples=step * batch * accum,
+            global_batch_size=batch, batches_per_step=accum,
+            num_replicas=self.strategy.num_replicas_in_sync,
+            num_workers=cluster.num_workers, loss_finite=loss_finite)
+
+    def _restore(self, iterator, fresh_iterator, batch, verbose):
         checkpointer, saves_iterator = self._checkpointer(iterator)
-        path = checkpointer.restore_latest()
-        if path and not saves_iterator and fresh_iterator:
+        try:
+            position = checkpointer.restore()
+            if cluster_lib.of_strategy(self.strategy).num_workers > 1:
+                checkpoints_lib.check_workers_agree(self.strategy, position)
+        except BaseException:
+            checkpointer.close()
+            raise
+        if position is None:
+            return checkpointer
+        self._steps_done = position.step
+        now = self._position(position.step, batch)
+        if position.global_batch_size not in (None, batch):
+            checkpointer.close()
+            raise ValueError(
+                f"`model_dir` {self.model_dir!r} was trained with global "
+                f"batch {position.global_batch_size}, and this run's is "
+                f"{batch}. Resume with `global_batch_size`="
+                f"{position.global_batch_size} (the per-replica batch is "
+                "recomputed for the replicas you have), or use a new "
+                "`model_dir`.")
+        if not saves_iterator and fresh_iterator:
             # Distributed iterators cannot be checkpointed: replay the
             # batches the restored updates consumed, so a deterministic
-            # pipeline continues where it stopped.
-            loop_lib.skip_batches(
-                iterator, self.step * self._options.grad_accum_steps)
-        if path and verbose:
-            self._print(f"restored {path} at step {self.step}")
+            # pipeline continues where it stopped. Counted in examples, so
+            # the count holds on another number of replicas or workers.
+            loop_lib.skip_batches(iterator, (
+                position.examples // batch if position.examples
+                else position.step * self._options.grad_accum_steps))
+        if verbose:
+            changes = position.changes_to(now)
+            self._print(
+                f"restored {checkpointer.restored_path} at step {self.step}"
+                + (f" (elastic resume: {'; '.join(changes)}; the "
+                   "learning-rate schedule continues at step "
+                   f"{self.step})" if changes else ""))
         return checkpointer
 
     @peer_failure.translating
     @preemption.watching_preemption
     def fit(self, train_data, *, steps, eval_data=None, eval_every=None,
             callbacks=(), global_batch_size=None, checkpoint_every=None,
-            verbose=1):
+            actions=(), verbose=1):
         """Trains until the optimizer has made `steps` updates in total.
 
-        With `model_dir`, first restores the latest checkpoint there (model,
-        optimizer, step and, where it is trackable, the data iterator; a
-        distributed iterator is not, so a fresh one is advanced past the
-        batches the restored updates used), so a resumed job finishes the
-        remaining updates.
+        With `model_dir`, first restores the newest intact checkpoint there
+        (model, optimizer and position; the data iterator where it is
+        trackable; a distributed iterator is not, so a fresh one is advanced
+        past the examples the restored updates used), so a resumed job
+        finishes the remaining updates, also on another number of replicas
+        or workers at the same global batch.
 
         Args:
           train_data: a distributed dataset or iterator of per-replica
             `(x, y)` (or `(x, y, sample_weight)`) batches; a `tf.data.Dataset`
             of global batches; or an unbatched `dataset_fn(input_context)`
-            with `global_batch_size`, fed through
-            `tfmulti.distribute_dataset` (training mode). Reused across `fit` calls with the same
-            object, continuing where the last call stopped.
+            with `global_batch_size`, fed through `tfmulti.distribute_dataset`
+            (training mode). Reused across `fit` calls with the same object,
+            continuing where the last call stopped.
           steps: total number of updates to reach.
           eval_data: evaluated every `eval_every` steps and at the end.
           eval_every: steps between evaluations; default: only at the end.
@@ -354,6 +393,9 @@ class Trainer:
             micro-batch); default: from the data's static shape.
           checkpoint_every: steps between checkpoints (with `model_dir`);
             default: at each evaluation and at the end.
+          actions: more `controller.Action`s (e.g. `controller.
+            PeriodicAction(fn, every_steps=N)`), run after the built-in ones
+            when due.
           verbose: 0 silent, 1 one line per loop (chief only).
 
         Returns:
@@ -363,21 +405,30 @@ class Trainer:
         """
         _positive_int("steps", steps, "It is the total number of optimizer "
                       "updates to train for.")
-        if eval_every is not None:
-            _positive_int("eval_every", eval_every,
-                          "Or pass None to evaluate only at the end.")
-        if checkpoint_every is not None:
-            _positive_int("checkpoint_every", checkpoint_every,
-                          "Or pass None to save at evaluations and the end.")
+        for name, value, hint in (
+                ("eval_every", eval_every,
+                 "Or pass None to evaluate only at the end."),
+                ("checkpoint_every", checkpoint_every,
+                 "Or pass None to save at evaluations and the end.")):
+            if value is not None:
+                _positive_int(name, value, hint)
         fresh_iterator = train_data is not self._source
         iterator, batch = self._iterator_for(train_data, global_batch_size)
+        checkpointer = self._restore(iterator, fresh_iterator, batch,
+                                     verbose) if self.model_dir else None
+        try:
+            return self._fit(iterator, batch, steps, checkpointer,
+                             eval_data=eval_data, eval_every=eval_every,
+                             callbacks=callbacks, actions=actions,
+                             checkpoint_every=checkpoint_every,
+                             verbose=verbose)
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()
+
+    def _fit(self, iterator, batch, steps, checkpointer, *, eval_data,
+             eval_every, callbacks, actions, checkpoint_every, verbose):
         train = self._train_loop(batch)
-        checkpointer = self._restore(iterator, fresh_iterator, verbose) if (
-            self.model_dir) else None
-        train_writer = summaries.ScalarWriter(self.model_dir, self.strategy,
-                                              "train")
-        eval_writer = summaries.ScalarWriter(self.model_dir, self.strategy,
-                                             "eval")
         callback_list = keras.callbacks.CallbackList(list(callbacks),
                                                      model=self.model)
         self.model.stop_training = False
@@ -385,70 +436,89 @@ class Trainer:
             "step", "loss", "step_loss", "steps_per_sec", "examples_per_sec",
             *[m.name for m in self.metrics])}
         examples_per_step = batch * self._options.grad_accum_steps
-        callback_list.on_train_begin()
-        # Read once: a read of the mirrored step variable per use would
-        # cost device round trips every loop.
-        step = last_saved = self.step
-        while step < steps and not self.model.stop_training:
-            start = step
-            n = min(self._steps_per_loop, steps - start)
-            if eval_every is not None and eval_data is not None:
-                n = min(n, eval_every - start % eval_every)
-            for metric in self.metrics:
-                metric.reset_state()
+        on_nonfinite = numerics.mode_for(self.optimizer, self._on_nonfinite)
+        lengths = {}
+
+        def train_loop(start, n):
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
-            losses = train(iterator, tf.constant(n, tf.int32)).numpy()
-            skipped = numerics.check_losses(
-                losses, first_step=start, on_nonfinite=numerics.mode_for(
-                    self.optimizer, self._on_nonfinite))
+            if n not in lengths:
+                lengths[n] = tf.constant(n, tf.int32)
+            losses, metrics = train(iterator, lengths[n]) if (
+                self.metrics) else (train(iterator, lengths[n]), {})
+            losses = losses.numpy()
+            skipped = numerics.check_losses(losses, first_step=start,
+                                            on_nonfinite=on_nonfinite)
             elapsed = time.perf_counter() - began
-            self._step.assign_add(n)
-            step += n
+            self._steps_done = start + n
             logs = {"loss": float(losses.mean()),
-                    **{m.name: float(m.result()) for m in self.metrics}}
-            speed = {"steps_per_sec": n / elapsed,
-                     "examples_per_sec": n * examples_per_step / elapsed}
-            history["step"].append(step)
-            history["step_loss"].extend(float(v) for v in losses)
-            for key, value in {**logs, **speed}.items():
+                    **{k: float(v) for k, v in metrics.items()}}
+            history["step"].append(start + n)
+            history["step_loss"].extend(losses.tolist())
+            logs_and_speed = {
+                **logs, "steps_per_sec": n / elapsed,
+                "examples_per_sec": n * examples_per_step / elapsed}
+            for key, value in logs_and_speed.items():
                 history[key].append(value)
-            if train_writer.active:
-                train_writer.write(step, {
-                    **logs, **speed,
-                    "learning_rate": float(keras.ops.convert_to_numpy(
-                        self.optimizer.learning_rate))})
             if skipped:
                 self._print(f"skipped non-finite update(s) {skipped}")
-            if verbose:
-                self._print(f"step {step}/{steps} " + " ".join(
-                    f"- {k} {v:.4f}" for k, v in logs.items()) +
-                    f" - {speed['steps_per_sec']:.1f} steps/s")
-            callback_list.on_train_batch_end(step - 1, logs)
-            at_end = step >= steps or self.model.stop_training
-            evaluate_now = eval_data is not None and (at_end or (
-                eval_every is not None and step % eval_every == 0))
-            if evaluate_now:
-                callback_list.on_test_begin()
-                results = self.evaluate(eval_data)
-                callback_list.on_test_end(results)
-                history.setdefault("val_step", []).append(step)
-                for key, value in results.items():
-                    history.setdefault(f"val_{key}", []).append(value)
-                eval_writer.write(step, results)
-                if verbose:
-                    self._print(f"eval at step {step} " + " ".join(
-                        f"- {k} {v:.4f}" for k, v in results.items()))
-            if checkpointer is not None and (at_end or (
-                    checkpoint_every is not None and
-                    step - last_saved >= checkpoint_every) or (
-                        checkpoint_every is None and evaluate_now)):
-                checkpointer.save(step)
-                last_saved = step
-            preemption.save_and_exit_if_preempted(
-                self._preemption, checkpointer, step, say=self._print)
+            callback_list.on_train_batch_end(start + n - 1, logs)
+            return controller_lib.LoopResult(
+                step=start + n, steps=steps, at_end=False, losses=losses,
+                logs=logs_and_speed)
+
+        eval_schedule = controller_lib.Schedule(
+            every_steps=eval_every, exact=eval_every is not None)
+        loop_actions = []
+        writer = summaries.ScalarWriter(self.model_dir, self.strategy,
+                                        "train")
+        if writer.active:
+            loop_actions.append(actions_lib.WriteSummaries(
+                writer, extra=lambda: {"learning_rate": float(
+                    keras.ops.convert_to_numpy(
+                        self.optimizer.learning_rate))}))
+        if verbose:
+            loop_actions.append(actions_lib.Log(self._print))
+        if eval_data is not None:
+            loop_actions.append(actions_lib.Evaluate(
+                lambda: self._evaluate_with(callback_list, eval_data),
+                schedule=eval_schedule,
+                sinks=[functools.partial(_record_eval, history),
+                       summaries.ScalarWriter(self.model_dir, self.strategy,
+                                              "eval").write,
+                       *([functools.partial(_log_eval, self._print)]
+                         if verbose else [])]))
+        loop_actions.extend(actions)
+        if checkpointer is not None:
+            position = functools.partial(self._position, batch=batch)
+            loop_actions.append(actions_lib.SaveCheckpoint(
+                checkpointer, position, schedule=controller_lib.Schedule(
+                    every_steps=checkpoint_every) if (
+                        checkpoint_every is not None or eval_data is None)
+                else eval_schedule))
+            loop_actions.append(actions_lib.ExitOnPreemption(
+                self._preemption, checkpointer, position, say=self._print))
+        callback_list.on_train_begin()
+        controller_lib.Controller(
+            train_loop, steps_per_loop=self._steps_per_loop,
+            actions=loop_actions, agree=self._agree).run(
+                self.step, steps, stop=lambda: self.model.stop_training)
         callback_list.on_train_end(history)
         return history
+
+    def _agree(self, flags):
+        """Element-wise OR of `flags` over all workers (one all-reduce)."""
+        if cluster_lib.of_strategy(self.strategy).num_workers < 2:
+            return flags
+        summed = loop_lib.sum_over_replicas(
+            self.strategy, tf.constant([float(f) for f in flags]))
+        return [bool(v > 0) for v in summed.numpy()]
+
+    def _evaluate_with(self, callback_list, eval_data):
+        callback_list.on_test_begin()
+        results = self.evaluate(eval_data)
+        callback_list.on_test_end(results)
+        return results
 
     # -- evaluation -------------------------------------------------------
 
@@ -493,5 +563,17 @@ class Trainer:
                 for m in (self._eval_loss, *self.metrics)}
 
     def _print(self, line):
+        """Prints `line` on the chief."""
         if cluster_lib.of_strategy(self.strategy).is_chief:
             print(line, flush=True)
+
+
+def _record_eval(history, step, results):
+    history.setdefault("val_step", []).append(step)
+    for key, value in results.items():
+        history.setdefault(f"val_{key}", []).append(value)
+
+
+def _log_eval(say, step, results):
+    say(f"eval at step {step} " + " ".join(
+        f"- {k} {v:.4f}" for k, v in results.items()))

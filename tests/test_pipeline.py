@@ -1,0 +1,194 @@
+"""tfmulti.pipeline: a model split into stages over devices trains as one
+device does.
+
+The golden cases run in one subprocess with 8 simulated CPU devices (S=2 and
+S=4 stages, M=1 and M=4 micro-batches, D=1 and D=2 data-parallel groups,
+GPipe and 1F1B, a Sequential and a carried skip connection); a second,
+one-device process restores the pipelined checkpoint. Errors and schedules
+are checked here, in process.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from tests.subproc import run_python
+from tfmulti import pipeline
+from tfmulti.pipeline import schedule
+
+TOLERANCE = 1e-5
+CASES = ["2:1:1", "2:4:1", "4:1:1", "4:4:1", "2:1:2", "2:4:2",
+         "2:2:1:gpipe:residual", "4:4:1:1f1b:seq", "4:4:2"]
+
+
+@pytest.mark.slow
+def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
+    out = tmp_path / "golden.json"
+    run_python(["tests/workers/pipeline_golden.py", str(out),
+                ",".join(CASES), str(tmp_path)], timeout=420)
+    results = json.loads(out.read_text())
+    interchange = results.pop()
+    assert [r["case"] for r in results] == CASES
+    for r in results:
+        print(r["case"], "cuts", r["cuts"], "loss diff", r["loss_diff"],
+              "weight diff", r["weight_diff"], "bytes/device",
+              r["bytes_per_device"])
+        assert r["weight_diff"] < TOLERANCE, r
+        assert r["loss_diff"] < TOLERANCE, r
+        assert r["group_diff"] == 0.0, r
+        assert r["placement_ok"], r
+        S, _, D = (int(p) for p in r["case"].split(":")[:3])
+        # Each device holds one stage: its bytes are that stage's, in every
+        # group, and the stages add up to the model.
+        by_device = r["bytes_per_device"]
+        assert len(by_device) == S * D, r
+        assert sorted(by_device.values()) == sorted(r["stage_bytes"] * D)
+        assert sum(r["stage_bytes"]) == r["total_bytes"]
+        assert r["optimizer_bytes_per_device"] == by_device
+        if len(r["case"].split(":")) < 5:  # balanced by parameter count
+            assert max(r["stage_bytes"]) <= (r["total_bytes"] / S +
+                                             r["largest_layer_bytes"]), r
+    assert interchange["single_to_pipelined_diff"] < TOLERANCE
+    assert interchange["loaded_group_diff"] == 0.0
+    restored = tmp_path / "restored.json"
+    run_python(["tests/workers/pipeline_restore.py", str(tmp_path),
+                str(restored)], timeout=180)
+    restored = json.loads(restored.read_text())
+    assert restored["devices"] == ["CPU:0"]
+    assert restored["pipelined_to_single_diff"] < TOLERANCE
+
+
+def _chain(name="chain", batch_norm=False):
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="a")(inputs)
+    if batch_norm:
+        x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.Dense(8, name="b")(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="c")(x), name=name)
+
+
+def _residual():
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="a")(inputs)
+    y = keras.layers.Dense(8, name="b")(x)
+    y = keras.layers.Dense(8, name="c")(y)
+    return keras.Model(inputs, keras.layers.Add(name="add")([x, y]))
+
+
+def _pipe(model, **kwargs):
+    return pipeline.PipelinedModel(
+        model, optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.MeanSquaredError(reduction=None), verbose=False,
+        devices=kwargs.pop("devices", ["/device:CPU:0"] * 4), **kwargs)
+
+
+def test_unknown_cut_names_the_layer_and_lists_the_layers():
+    with pytest.raises(ValueError, match=r"`cuts` names layer 'nope'.*"
+                       r"\['a', 'b', 'c'\]"):
+        _pipe(_chain(), num_stages=2, cuts=["nope"])
+
+
+def test_cut_count_must_match_stages():
+    with pytest.raises(ValueError, match=r"`cuts`=\['a'\] gives 2 stages but "
+                       r"`num_stages`=3"):
+        _pipe(_chain(), num_stages=3, cuts=["a"])
+
+
+def test_skip_across_cut_names_the_layers_and_carry_allows_it():
+    with pytest.raises(ValueError, match=r"not a chain: layer 'add' .*cut at "
+                       r"'b'.* reads the output of 'a'.*carry_skips=True"):
+        _pipe(_residual(), num_stages=2, cuts=["b"])
+    pipe = _pipe(_residual(), num_stages=2, cuts=["b"], carry_skips=True)
+    assert pipe.stages[0].carried == ("a",)
+    # Balancing cuts only where no skip crosses: after `a` or `add`-less.
+    assert pipeline.balanced_cuts(_residual(), 2) == ["a"]
+
+
+def test_more_stages_than_devices_says_how_many():
+    with pytest.raises(ValueError, match=r"`num_stages`=2 x `data_parallel`=2 "
+                       r"needs 4 devices, but 2 are available.*"
+                       r"simulate_devices\(4\)"):
+        _pipe(_chain(), num_stages=2, data_parallel=2,
+              devices=["/device:CPU:0"] * 2)
+
+
+def test_micro_batches_must_divide_the_group_batch():
+    pipe = _pipe(_chain(), num_stages=2, micro_batches=3, data_parallel=2)
+    x, y = np.zeros((8, 6), "float32"), np.zeros((8, 2), "float32")
+    with pytest.raises(ValueError, match=r"`micro_batches`=3 does not divide "
+                       r"the per-group batch of 4 \(global batch 8 over "
+                       r"`data_parallel`=2\).*divisible by 6"):
+        pipe.train_step(x, y)
+
+
+def test_batch_norm_with_micro_batches_says_the_fix():
+    with pytest.raises(ValueError, match=r"'bn' is a BatchNormalization.*"
+                       r"`micro_batches`=2.*LayerNormalization"):
+        _pipe(_chain(batch_norm=True), num_stages=2, micro_batches=2)
+    # One micro-batch in one group sees the whole batch: allowed.
+    _pipe(_chain(batch_norm=True), num_stages=2, micro_batches=1)
+
+
+def test_reducing_loss_is_refused():
+    with pytest.raises(ValueError, match=r"reduction='sum_over_batch_size'"):
+        pipeline.PipelinedModel(
+            _chain(), optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.MeanSquaredError(), num_stages=2,
+            devices=["/device:CPU:0"] * 2)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_schedules_run_every_action_once_in_dependency_order(name):
+    S, M = 4, 8
+    order = schedule.emission_order(name, S, M)
+    assert sorted(order) == sorted(
+        schedule.Action(k, s, m) for k in "FB" for s in range(S)
+        for m in range(M))
+    seen = set()
+    for a in order:
+        if a.kind == "F" and a.stage:
+            assert ("F", a.stage - 1, a.micro_batch) in seen
+        if a.kind == "B":
+            assert ("F", a.stage, a.micro_batch) in seen
+            if a.stage < S - 1:
+                assert ("B", a.stage + 1, a.micro_batch) in seen
+        seen.add(tuple(a))
+
+
+def test_1f1b_bounds_live_micro_batches():
+    S, M = 4, 8
+    assert [schedule.peak_live_micro_batches("gpipe", S, M, s)
+            for s in range(S)] == [8, 8, 8, 8]
+    assert [schedule.peak_live_micro_batches("1f1b", S, M, s)
+            for s in range(S)] == [4, 3, 2, 1]
+    assert pipeline.theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+def test_recipe_flags_reach_the_config():
+    from absl import flags as absl_flags
+
+    from tfmulti import flags as tfmulti_flags
+    flag_values = absl_flags.FlagValues()
+    tfmulti_flags.define_flags(flag_values)
+    flag_values(["recipe", "--pipeline_stages=4", "--micro_batches=8"])
+    config = tfmulti_flags.experiment_config(flag_values)
+    assert (config.pipeline_stages, config.micro_batches) == (4, 8)
+    flag_values(["recipe", "--pipeline_stages=1", "--micro_batches=8"])
+    with pytest.raises(ValueError, match=r"`micro_batches`=8 needs "
+                       r"`pipeline_stages` > 1"):
+        tfmulti_flags.experiment_config(flag_values)
+    flag_values(["recipe", "--pipeline_stages=2", "--micro_batches=1",
+                 "--grad_accum_steps=2"])
+    with pytest.raises(ValueError, match=r"`grad_accum_steps`=2 is not "
+                       r"supported with `pipeline_stages`=2"):
+        tfmulti_flags.experiment_config(flag_values)
+
+
+def test_global_clipnorm_is_refused_with_the_alternative():
+    with pytest.raises(ValueError, match=r"global_clipnorm=1.0.*clipnorm"):
+        pipeline.PipelinedModel(
+            _chain(), optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+            loss=keras.losses.MeanSquaredError(reduction=None),
+            num_stages=2, devices=["/device:CPU:0"] * 2)
