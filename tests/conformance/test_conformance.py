@@ -126,8 +126,9 @@ def test_indivisible_global_batch(local):
     assert_close(ok(cases["m3"]["distributed"]), golden)
     plain = cases["m3"]["plain"]
     ok(plain)
+    # tf.data's rebatching leaves the per-replica size unknown statically.
     assert plain["warnings"][0].startswith(UNEVEN_WARNING.format(n=3))
-    assert "[22, 21, 21]" in plain["warnings"][0]
+    assert "a global batch divisible by 3" in plain["warnings"][0]
 
 
 @pytest.mark.slow
