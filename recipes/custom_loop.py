@@ -6,11 +6,21 @@
 Flags and wiring only; the run is `tfmulti.experiment.train_and_evaluate`.
 """
 
-from absl import app
+import os
 
-from tfmulti import flags
+# TensorFlow's C++ info lines (oneDNN, CPU features) on start; warnings and
+# errors still show. Set TF_CPP_MIN_LOG_LEVEL=0 to see them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from absl import flags as absl_flags  # noqa: E402
+
+from tfmulti import flags  # noqa: E402
 
 flags.define_flags()
+# --help lists the recipe's flags (absl shows the main module's key flags).
+absl_flags.adopt_module_key_flags(flags)
+absl_flags.declare_key_flag("verbosity")
+absl_flags.FLAGS["verbosity"].help = flags.VERBOSITY_HELP
 
 if __name__ == "__main__":
-    app.run(flags.recipe_main(loop="trainer"))
+    flags.run_recipe(loop="trainer")

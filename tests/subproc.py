@@ -15,10 +15,10 @@ import sys
 from tfmulti import cluster as cluster_lib
 
 
-def _start(argv, env):
+def _start(argv, env, cwd=None):
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
 
 
 def _kill(proc):
@@ -30,9 +30,10 @@ def _kill(proc):
     proc.wait()
 
 
-def run_python(args, *, timeout=300, env=None, check=True):
-    """Runs `python ARGS` and returns (returncode, output)."""
-    proc = _start([sys.executable, *args], dict(os.environ, **(env or {})))
+def run_python(args, *, timeout=300, env=None, check=True, cwd=None):
+    """Runs `python ARGS` (in `cwd`) and returns (returncode, output)."""
+    proc = _start([sys.executable, *args], dict(os.environ, **(env or {})),
+                  cwd=cwd)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -38,6 +38,31 @@ def test_methods_include_variants_the_step_benchmark_adds():
                                        "tfmulti_fit_32"]
 
 
+def test_goals_say_met_or_missed_with_the_ratio():
+    figures = {"replicas": 4, "steps": 256, "trainer_32_vs_bare_loop_32": 0.9,
+               "trainer_32_vs_keras_fit": 6.0,
+               "trainer_32_xla_vs_bare_loop_32": 1.4,
+               "tfmulti_fit_32_vs_keras_fit": 2.0,
+               "tfmulti_fit_32_steady_vs_trainer_32": 1.0}
+    results = {"step_overhead": {"mlp": {"4": figures},
+                                 "cnn": {"1": dict(figures, replicas=1),
+                                         "4": figures}},
+               "settings": {"mode": "quick"}, "seconds": 200.0,
+               "load_average": {"start": (3.0, 2.0, 1.0),
+                                "end": (4.0, 2.0, 1.0)}}
+    goals = {g["name"]: (g["value"], g["status"])
+             for g in report.goals(results)}
+    assert goals["mlp: Trainer/bare loop at N=4"] == (0.9, "MISSED")
+    assert goals["cnn: Trainer XLA / uncompiled bare loop at N=1"] == (
+        1.4, "met")
+    assert goals["mlp: tfmulti fit / Keras fit, whole 256-step call at "
+                 "N=4"] == (2.0, "MISSED")
+    assert goals["mlp: tfmulti fit steady / Trainer at N=4"] == (1.0, "met")
+    wall = [g for g in report.goals(results) if "--quick" in g["name"]]
+    assert [(g["value"], g["status"]) for g in wall] == [(200.0, "MISSED")]
+    assert "3.0/2.0/1.0" in wall[0]["name"]
+
+
 @pytest.mark.slow
 def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
                                                          shapes_data_dir):
@@ -61,6 +86,7 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
                            "keras_fit"):
                 assert figures[method] > 0
             assert figures["trainer_32_vs_bare_loop_32"] > 0
+            assert len(figures["load_average"]["before"]) == 3
         scaling = results["replica_overhead"][model]["trainer_32"]
         assert scaling["1"] == 1.0 and scaling["2"] > 0
 
@@ -90,10 +116,19 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
     assert mem["accum_vs_batch"] > 0
     assert {g["name"] for g in results["goals"]} >= {
         "bfloat16 bytes / float32 bytes", "peak memory: accumulate K x B / "
-        "batch B"}
+        "batch B", "cnn: Trainer XLA / uncompiled bare loop at N=1",
+        "cnn: Trainer XLA / uncompiled bare loop at N=2",
+        "mlp: tfmulti fit / Keras fit, whole 64-step call at N=2",
+        "mlp: tfmulti fit steady / Trainer at N=2"}
+    for goal in results["goals"]:
+        assert goal["status"] == ("met" if goal["met"] else "MISSED"), goal
+    load = results["load_average"]
+    assert len(load["start"]) == len(load["end"]) == 3
+    assert set(load["parts"]) == set(bench_main.PART_NAMES)
 
     markdown = (out / "results.md").read_text()
     assert "Machine:" in markdown and "## Communication" in markdown
+    assert "load average" in markdown and "| status |" in markdown
     if importlib.util.find_spec("matplotlib") is not None:
         for name in ("steps_per_s.png", "scaling.png", "communication.png"):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

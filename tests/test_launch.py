@@ -1,6 +1,7 @@
 """tfmulti-launch: output prefixes, failure handling, restarts, no leftovers."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,9 @@ def test_a_failing_worker_stops_the_group(tmp_path):
     assert time.monotonic() - start < 40
     assert result.returncode == 3
     assert "worker 1 exited with code 3; giving up" in result.stderr
+    # The end summary: each worker's exit (w0 stopped by the launcher).
+    assert re.search(r"2 worker\(s\) exited: w0 SIG\w+, w1 3; 0 restart\(s\);"
+                     r" wall time \d\d:\d\d:\d\d", result.stderr), result.stderr
     _assert_none_running(_pids(tmp_path))
 
 
@@ -56,6 +60,7 @@ def test_restart_after_a_failure_finishes_the_job(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "restarting all 2 workers (1 restart(s) left)" in result.stderr
     assert "[w1] hello from worker 1 attempt 1" in result.stdout
+    assert "exited: w0 0, w1 0; 1 restart(s)" in result.stderr
     assert len(_pids(tmp_path)) == 4
     _assert_none_running(_pids(tmp_path))
 
@@ -102,3 +107,16 @@ def test_missing_command(capsys):
     with pytest.raises(SystemExit):
         launch.main(["--workers", "2"])
     assert "no COMMAND" in capsys.readouterr().err
+
+
+def test_help_has_descriptions_and_defaults_without_tensorflow():
+    code = ("import sys; from tfmulti import launch\n"
+            "try:\n    launch.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout.strip().endswith("False"), result.stdout
+    for text in ("number of worker processes", "(default: 0)",
+                 "(default: 127.0.0.1)", "TFMULTI_LAUNCH_ATTEMPT",
+                 "Exit status"):
+        assert text in result.stdout, result.stdout

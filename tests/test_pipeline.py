@@ -3,8 +3,10 @@ device does.
 
 The golden cases run in one subprocess with 8 simulated CPU devices (S=2 and
 S=4 stages, M=1 and M=4 micro-batches, D=1 and D=2 data-parallel groups,
-GPipe and 1F1B, a Sequential and a carried skip connection); a second,
-one-device process restores the pipelined checkpoint. Errors and schedules
+GPipe and 1F1B, a Sequential and a carried skip connection; and
+`tfmulti.Trainer` driving S=2, M=2, D=1 and 2, resumed too); a second,
+one-device process restores the pipelined checkpoints (the weights file,
+and the Trainer's checkpoint with its optimizer state). Errors and schedules
 are checked here, in process.
 """
 
@@ -52,12 +54,34 @@ def test_stages_match_one_device_and_checkpoint_interchanges(tmp_path):
                                              r["largest_layer_bytes"]), r
     assert interchange["single_to_pipelined_diff"] < TOLERANCE
     assert interchange["loaded_group_diff"] == 0.0
+    # tfmulti.Trainer over a PipelinedModel (S=2, M=2, D=1 and 2): one
+    # device's losses and weights, with metrics and evaluation; a run
+    # resumed from its checkpoint by a new Trainer equals the uninterrupted
+    # one.
+    trainer = interchange["trainer"]
+    assert sorted(trainer) == ["2:2:1", "2:2:2"]
+    for case, r in trainer.items():
+        print("Trainer", case, r)
+        assert r["weight_diff"] < TOLERANCE, r
+        assert r["loss_diff"] < TOLERANCE, r
+        assert r["steps"] == 3 and r["optimizer_layout"] == "unsplit", r
+        assert r["val_loss_diff"] < TOLERANCE, r  # evaluated stage by stage
+        assert 0 <= r["train_accuracy"] <= 1, r
+    assert trainer["2:2:2"]["resume_weight_diff"] < 1e-6
+    assert trainer["2:2:2"]["resume_loss_diff"] < 1e-6
     restored = tmp_path / "restored.json"
     run_python(["tests/workers/pipeline_restore.py", str(tmp_path),
                 str(restored)], timeout=180)
     restored = json.loads(restored.read_text())
     assert restored["devices"] == ["CPU:0"]
     assert restored["pipelined_to_single_diff"] < TOLERANCE
+    # A one-device Trainer resumes the pipelined Trainer's step-2 checkpoint
+    # (model and SGD momentum slots in the unsplit format): it predicts as
+    # the pipeline did, then step 3 reaches one device's 3-step weights.
+    assert restored["trainer_final_step"] == 3
+    assert restored["trainer_steps_run_after_restore"] == 0
+    assert restored["trainer_checkpoint_prediction_diff"] < TOLERANCE
+    assert restored["trainer_resumed_weight_diff"] < TOLERANCE
 
 
 def _chain(name="chain", batch_norm=False):
@@ -192,3 +216,100 @@ def test_global_clipnorm_is_refused_with_the_alternative():
             _chain(), optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0),
             loss=keras.losses.MeanSquaredError(reduction=None),
             num_stages=2, devices=["/device:CPU:0"] * 2)
+
+
+def test_trainer_refuses_options_the_pipeline_does_not_implement():
+    import tfmulti
+    pipe = _pipe(_chain(), num_stages=2)
+    with pytest.raises(ValueError, match=r"`grad_accum_steps`=2 is not "
+                       r"supported for a PipelinedModel.*micro_batches"):
+        tfmulti.Trainer(pipe, grad_accum_steps=2)
+    with pytest.raises(ValueError, match=r"`optimizer` was given to the "
+                       r"Trainer.*PipelinedModel\(\.\.\.\)"):
+        tfmulti.Trainer(pipe, keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match=r"`clip_global_norm`=1.0 .*clipnorm"):
+        tfmulti.Trainer(pipe, clip_global_norm=1.0)
+    with pytest.raises(ValueError, match=r"`jit_compile`=True is not "
+                       r"supported for a PipelinedModel"):
+        tfmulti.Trainer(pipe, jit_compile=True)
+    trainer = tfmulti.Trainer(pipe, optimizer=pipe.optimizers[0][0],
+                              loss=pipe.loss)
+    assert trainer.model is pipe.model
+
+
+def test_keras_fit_refuses_a_pipelined_model_and_names_the_trainer():
+    import tfmulti
+    pipe = _pipe(_chain(), num_stages=2)
+    for model in (pipe, pipe.model):
+        with pytest.raises(ValueError, match=r"is pipelined.*"
+                           r"`tfmulti.Trainer\(pipe"):
+            tfmulti.keras.distributed(model)
+
+
+def test_keras_fit_recipe_refuses_pipeline_stages_and_names_custom_loop():
+    from tfmulti import experiment
+    config = experiment.ExperimentConfig(pipeline_stages=2, micro_batches=2)
+    with pytest.raises(experiment.ConfigError, match=r"`pipeline_stages`=2 "
+                       r"needs the Trainer loop.*recipes.custom_loop"):
+        experiment.train_and_evaluate(config, loop="fit")
+
+
+def _trained_pipe(optimizer):
+    pipe = pipeline.PipelinedModel(
+        _chain(), optimizer=optimizer,
+        loss=keras.losses.MeanSquaredError(reduction=None), verbose=False,
+        num_stages=2, devices=["/device:CPU:0"] * 2)
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        pipe.train_step(rng.normal(size=(4, 6)).astype("float32"),
+                        rng.normal(size=(4, 2)).astype("float32"))
+    return pipe
+
+
+def test_stage_optimizers_restore_into_the_unsplit_optimizer(tmp_path):
+    import tensorflow as tf
+    pipe = _trained_pipe(keras.optimizers.Adam(0.01))
+    view, layout = pipe.checkpoint_optimizer()
+    assert layout == "unsplit"
+    path = tf.train.Checkpoint(model=pipe.model, optimizer=view).write(
+        str(tmp_path / "ckpt"))
+    model = _chain()
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+        path).assert_existing_objects_matched()
+    assert int(optimizer.iterations) == 2
+    for v, restored in zip(pipe.model.trainable_variables,
+                           model.trainable_variables):
+        stage = next(s for s, vs in enumerate(pipe._trainable[0])
+                     if any(v is w for w in vs))
+        opt = pipe.optimizers[0][stage]
+        i, j = opt._get_variable_index(v), optimizer._get_variable_index(
+            restored)
+        for a, b in ((opt._momentums[i], optimizer._momentums[j]),
+                     (opt._velocities[i], optimizer._velocities[j])):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        assert float(np.max(np.abs(opt._velocities[i].numpy()))) > 0
+
+
+class ExtraStateSGD(keras.optimizers.SGD):
+    """Keeps one more variable than its slots: no unsplit layout."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.extra = self.add_variable((), name="extra")
+
+
+def test_unmappable_optimizer_state_is_saved_per_stage(tmp_path):
+    import tensorflow as tf
+    pipe = _trained_pipe(ExtraStateSGD(0.1, momentum=0.9))
+    view, layout = pipe.checkpoint_optimizer()
+    assert layout == "per_stage"
+    path = tf.train.Checkpoint(optimizer=view).write(str(tmp_path / "c"))
+    saved = [v.numpy() for v in view.variables]
+    for v in view.variables:
+        v.assign(v.value * 0 + 5)
+    tf.train.Checkpoint(optimizer=view).read(
+        path).assert_existing_objects_matched()
+    for a, b in zip(saved, view.variables):
+        np.testing.assert_array_equal(a, b.numpy())

@@ -1,19 +1,37 @@
 """The recipes end to end: one_device, 2 simulated replicas, 2 workers.
 
 Each run trains a few steps on the offline dataset and must leave
-checkpoints, TensorBoard events and a complete metrics.json in --model_dir.
+checkpoints, TensorBoard events and a complete metrics.json in --model_dir,
+print no warning that tfmulti's own use of Keras/TensorFlow causes, and end
+with a summary naming its outputs. Run directories: a default under ./runs,
+a used one refused without --resume, a finished one "nothing to train".
 """
 
+import glob
 import json
 import os
+import pathlib
 import re
+import subprocess
 import sys
 
 from absl import flags as absl_flags
 import pytest
 
 from tests.subproc import run_python
+from tfmulti import experiment
 from tfmulti import flags as tfmulti_flags
+from tfmulti import rundir
+
+# Warnings Keras/TensorFlow printed because of how tfmulti used them
+# (issue 18); none may appear in a run's output.
+CAUSED_WARNINGS = (
+    "Your input ran out of data",
+    "did not fully read the dataset being cached",
+    "`shuffle=True` was passed",
+    "eagerly has significant overhead",
+    "Local rendezvous is aborting",
+)
 
 RECIPES = {"recipes.custom_loop": "trainer", "recipes.keras_fit": "fit"}
 METRICS_FIELDS = {"loop", "train", "eval", "steps", "examples_per_sec",
@@ -43,17 +61,67 @@ def _check_run(model_dir, recipe, num_replicas):
     return metrics
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("strategy, extra, replicas", [
-    ("one_device", [], 1),
-    ("mirrored", ["--cpu_replicas=2"], 2),
+# keras_fit on one_device runs in test_default_run_dir_and_used_dirs.
+@pytest.mark.parametrize("recipe, strategy, extra, replicas", [
+    ("recipes.custom_loop", "one_device", [], 1),
+    ("recipes.custom_loop", "mirrored", ["--cpu_replicas=2"], 2),
+    ("recipes.keras_fit", "mirrored", ["--cpu_replicas=2"], 2),
 ])
 def test_recipe_runs_end_to_end(recipe, strategy, extra, replicas, tmp_path,
                                 shapes_data_dir):
-    run_python(["-m", recipe, f"--strategy={strategy}",
-                *_flags(tmp_path / "run", shapes_data_dir, *extra)],
-               timeout=300)
+    _, out = run_python(["-m", recipe, f"--strategy={strategy}",
+                         *_flags(tmp_path / "run", shapes_data_dir, *extra)],
+                        timeout=300)
     _check_run(tmp_path / "run", recipe, replicas)
+    _check_output(out, tmp_path / "run")
+
+
+def _check_output(out, model_dir, chief=""):
+    for warning in CAUSED_WARNINGS:
+        assert warning not in out, out
+    # tfmulti's and TensorFlow's info logs only with --verbosity=0.
+    assert "tfmulti: global batch" not in out, out
+    chief = re.escape(chief)
+    assert re.search(rf"^{chief}step 4/4 .* - loss \d.* examples/s - ETA ",
+                     out, re.M), out
+    assert re.search(rf"^{chief}done: 4 steps on \d replica", out, re.M), out
+    assert f"metrics:     {model_dir / 'metrics.json'}" in out, out
+    assert f"tensorboard --logdir {model_dir}" in out, out
+
+
+def test_default_run_dir_and_used_dirs(tmp_path, shapes_data_dir):
+    """A new ./runs/<recipe>-<time> by default; a used one needs --resume;
+    a finished one is "nothing to train"; `import tfmulti` works there."""
+    recipe = ["-m", "recipes.keras_fit", "--strategy=one_device",
+              f"--data_dir={shapes_data_dir}", "--global_batch_size=32",
+              "--steps=4", "--steps_per_loop=2"]
+    _, out = run_python(recipe, cwd=tmp_path, timeout=300)
+    (run,) = glob.glob(str(tmp_path / "runs" / "keras_fit-*"))
+    assert f"run directory: {os.path.relpath(run, tmp_path)}" in out, out
+    assert os.path.exists(os.path.join(run, "config.json"))
+    _check_output(out, pathlib.Path(os.path.relpath(run, tmp_path)))
+
+    again = [*recipe, f"--model_dir={run}"]
+    code, out = run_python(again, cwd=tmp_path, check=False, timeout=120)
+    assert code == 1, out
+    assert "holds a finished run" in out and "nothing to train" in out, out
+    assert "--resume" in out and "Traceback" not in out, out
+    # With --resume: "nothing to train", decided before TensorFlow starts
+    # (the recipe prints it and exits 0).
+    with pytest.raises(rundir.NothingToTrain, match="nothing to train"):
+        experiment.train_and_evaluate(experiment.ExperimentConfig(
+            model_dir=run, resume=True, global_batch_size=32, steps=4,
+            steps_per_loop=2, strategy="one_device", data_dir=shapes_data_dir),
+            loop="fit")
+
+    # The run directory does not shadow the (editable-installed) package.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import tfmulti; print(tfmulti.simulate_devices.__name__)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "simulate_devices", done.stderr[-2000:]
+
 
 
 @pytest.mark.slow
@@ -66,6 +134,9 @@ def test_recipe_runs_on_two_workers(recipe, tmp_path, shapes_data_dir):
     assert "[w0]" in out and "[w1]" in out
     metrics = _check_run(tmp_path / "run", recipe, 2)
     assert metrics["config"]["strategy"] == "multi_worker"
+    # Progress and the summary come from the chief only.
+    _check_output(out, tmp_path / "run", chief="[w0] ")
+    assert not re.search(r"^\[w1\] (step|done)", out, re.M), out
 
 
 def _parse(*argv):
@@ -91,7 +162,7 @@ def test_flagfile_sets_the_flags(tmp_path):
      "value should be one of <auto|one_device|mirrored|multi_worker>"),
     (["--all_reduce=mpi"], "value should be one of"),
     (["--global_batch_size=0"], "0 is not a positive integer"),
-    (["--pack_bytes=0"], "--pack_bytes must be positive"),
+    (["--pack_bytes=0"], "0 is not a positive integer"),
 ])
 def test_bad_flag_values_say_what_is_allowed(args, message):
     with pytest.raises(absl_flags.Error, match=re.escape(message)):
@@ -110,3 +181,88 @@ def test_recipe_exits_with_a_usage_error_naming_the_numbers(tmp_path):
                            timeout=120, check=False)
     assert code == 1
     assert "`global_batch_size`" in out and "32" in out and "3" in out
+    assert "Traceback" not in out and "Flags and wiring" not in out, out
+    # One line naming the problem, then the flag's help.
+    error = out[out.index("custom_loop: error:"):].strip().splitlines()
+    assert len(error) == 2 and error[1].startswith("  --global_batch_size: "), out
+
+
+def _usage_lines(out, program):
+    return out[out.index(f"{program}: error:"):].strip().splitlines()
+
+
+def test_help_lists_the_recipe_flags():
+    _, out = run_python(["-m", "recipes.keras_fit", "--help"], timeout=120,
+                        check=False)
+    for flag in ("--strategy", "--cpu_replicas", "--model_dir",
+                 "--[no]resume", "--verbosity: -1 (default)"):
+        assert flag in out, out
+
+
+def test_unknown_dataset_is_one_line_with_the_closest_names(tmp_path):
+    code, out = run_python(["-m", "recipes.keras_fit", "--dataset=cifar_10",
+                            f"--model_dir={tmp_path / 'run'}"],
+                           timeout=120, check=False)
+    assert code == 1, out
+    lines = _usage_lines(out, "keras_fit")
+    assert len(lines) < 5 and "closest: cifar10" in lines[0], out
+    assert "`--dataset` is 'cifar_10'" in lines[0], out
+    assert "Traceback" not in out and "mnist" not in out, out
+
+
+def _config(**changes):
+    return {"loop": "fit", "seed": 0, "learning_rate": 1e-3,
+            "strategy": "mirrored", **changes}
+
+
+def _write_run(path, finished):
+    os.makedirs(path)
+    (path / rundir.CONFIG_FILE).write_text(json.dumps({"config": _config()}))
+    if finished:
+        (path / rundir.METRICS_FILE).write_text("{}")
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_used_run_dir_needs_resume(tmp_path, finished):
+    _write_run(tmp_path / "run", finished)
+    keys = ("loop", "seed", "learning_rate")
+    with pytest.raises(rundir.RunDirError, match="Pass --resume") as e:
+        rundir.open_run_dir(str(tmp_path / "run"), config=_config(),
+                            resume=False, compared=keys)
+    assert ("nothing to train" in str(e.value)) == finished
+    # The strategy may change on resume; what is trained may not.
+    opened = lambda **c: rundir.open_run_dir(  # noqa: E731
+        str(tmp_path / "run"), config=_config(**c), resume=True,
+        compared=keys)
+    with pytest.raises(rundir.RunDirError,
+                       match=r"`learning_rate`: saved 0.001, now 0.5"):
+        opened(learning_rate=0.5)
+    if finished:
+        with pytest.raises(rundir.NothingToTrain, match="nothing to train"):
+            opened(strategy="multi_worker")
+    else:
+        assert opened(strategy="multi_worker").resuming
+
+
+def test_run_dir_refusals_and_defaults(tmp_path, monkeypatch):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "file").write_text("x")
+    with pytest.raises(rundir.RunDirError, match="holds no config.json"):
+        rundir.open_run_dir(str(tmp_path / "other"), config={}, resume=True,
+                            compared=())
+    # --resume with nothing there starts a new run.
+    assert not rundir.open_run_dir(str(tmp_path / "new"), config={},
+                                   resume=True, compared=()).resuming
+    # A directory named like the package, where Python imports from.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    with pytest.raises(rundir.RunDirError, match="`import tfmulti` find"):
+        rundir.open_run_dir("tfmulti", config={}, resume=False, compared=())
+    first = rundir.default_model_dir("keras_fit", environ={})
+    assert re.fullmatch(r"runs/keras_fit-\d{8}-\d{6}", first)
+    os.makedirs(first)
+    assert rundir.default_model_dir("keras_fit", environ={}) != first
+    # Workers of one launch share the launcher's id.
+    assert rundir.default_model_dir(
+        "keras_fit", environ={rundir.RUN_ID_ENV: "20260101-000000"}
+    ) == "runs/keras_fit-20260101-000000"

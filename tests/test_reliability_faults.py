@@ -54,7 +54,7 @@ def test_survivor_fails_within_the_bound_naming_the_cause(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("flag,expected", [
     ("--stall_timeout_seconds",
-     "no loop of training steps completed within `stall_timeout_seconds`=5"),
+     "a loop of training steps waited `stall_timeout_seconds`=5"),
     ("--timeout_seconds", "did not join it within `timeout_seconds`=5.0"),
 ])
 def test_stuck_peer_fails_within_the_bound(tmp_path, flag, expected):

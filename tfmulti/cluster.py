@@ -14,8 +14,6 @@ import re
 import socket
 from typing import Any, Mapping
 
-from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
-
 # MultiWorkerMirroredStrategy's task types: chief and worker train, an
 # evaluator only reads checkpoints. Parameter servers belong to another
 # strategy that tfmulti does not wrap.
@@ -310,6 +308,10 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     Returns:
       A TF_CONFIG dict with one `worker` per SLURM task.
     """
+    # Here, not at the top: the launcher imports this module and must start
+    # without TensorFlow.
+    from tensorflow.python.distribute.cluster_resolver import (
+        slurm_cluster_resolver)
     environ = os.environ if environ is None else environ
     rank = _int_var(environ, "SLURM_PROCID")
     ntasks = _int_var(environ, "SLURM_NTASKS")

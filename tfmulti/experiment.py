@@ -2,8 +2,11 @@
 
 `train_and_evaluate(config, loop=...)` sets up devices, the strategy, the
 TFDS input pipeline and a small CNN, trains with Keras `model.fit` or with
-`tfmulti.Trainer`, and writes checkpoints, TensorBoard events and
-`metrics.json` to `config.model_dir`. The recipes only turn flags into an
+`tfmulti.Trainer`, and writes `config.json`, checkpoints, TensorBoard events
+and `metrics.json` to the run's directory (`tfmulti.rundir`: a new
+`./runs/<recipe>-<time>` unless `model_dir` is given; an existing run is
+continued only with `resume`). It prints where the run goes, progress lines
+and a closing summary (chief only). The recipes only turn flags into an
 `ExperimentConfig` (Flax's `main.py` / `train.py` split: the logic is here,
 where tests can run it).
 """
@@ -11,14 +14,38 @@ where tests can run it).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import tempfile
 import time
 from typing import Any
 
+from tfmulti import rundir
+
 DEFAULT_DATASET = "tfmulti_shapes"
 LOOPS = ("fit", "trainer")
+# The default run directory is named after the recipe that runs the loop.
+RECIPE_NAMES = {"fit": "keras_fit", "trainer": "custom_loop"}
+# What a resumed run must share with the saved one: what is trained, not
+# where or on how many devices (those may change between restarts).
+RESUME_MUST_MATCH = (
+    "loop", "dataset", "global_batch_size", "epochs", "steps",
+    "learning_rate", "base_batch_size", "lr_scaling", "warmup_steps",
+    "grad_accum_steps", "clip_global_norm", "mixed_precision",
+    "sync_batchnorm", "seed")
+
+
+class ConfigError(ValueError):
+    """A bad setting of the experiment (a usage error for a recipe).
+
+    Attributes:
+      flag: the recipe flag to fix (its help is shown with the message).
+    """
+
+    def __init__(self, message: str, *, flag: str | None = None):
+        super().__init__(message)
+        self.flag = flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,33 +72,38 @@ class ExperimentConfig:
     mixed_precision: str | None = None
     sync_batchnorm: bool = False
     steps_per_loop: int = 50
-    model_dir: str = "/tmp/tfmulti"
+    # None: a new directory under ./runs (see `tfmulti.rundir`).
+    model_dir: str | None = None
+    resume: bool = False
     seed: int = 0
     pipeline_stages: int = 1
     micro_batches: int = 1
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
-            raise ValueError(
+            raise ConfigError(
                 f"`cpu_replicas`={self.cpu_replicas} and `num_gpus`="
                 f"{self.num_gpus} were both given; simulate CPU replicas or "
-                "use GPUs, not both.")
+                "use GPUs, not both.", flag="cpu_replicas")
         if self.steps is not None and self.steps < 1:
-            raise ValueError(f"`steps` should be positive, got {self.steps}.")
+            raise ConfigError(f"`steps` should be positive, got "
+                              f"{self.steps}.", flag="steps")
         if self.pipeline_stages > 1:
             _check_pipeline(self)
         elif self.micro_batches != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"`micro_batches`={self.micro_batches} needs "
                 "`pipeline_stages` > 1; for micro-batches on one model, use "
-                "grad_accum_steps.")
-        if not self.model_dir:
-            raise ValueError("`model_dir` is empty; give a directory for "
-                             "checkpoints, events and metrics.json.")
+                "grad_accum_steps.", flag="micro_batches")
+        if self.model_dir == "":
+            raise ConfigError("`model_dir` is empty; give a directory for "
+                              "checkpoints, events and metrics.json, or "
+                              "leave it out for a new one under ./runs.",
+                              flag="model_dir")
 
 
 def _check_pipeline(config: ExperimentConfig) -> None:
-    """Options the pipeline's own loop does not implement."""
+    """Options the pipelined step does not implement."""
     unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
                    "clip_global_norm": config.clip_global_norm is not None,
                    "mixed_precision": config.mixed_precision is not None,
@@ -80,11 +112,11 @@ def _check_pipeline(config: ExperimentConfig) -> None:
                    "num_gpus": bool(config.num_gpus)}
     for name, given in unsupported.items():
         if given:
-            raise ValueError(
+            raise ConfigError(
                 f"`{name}`={getattr(config, name)!r} is not supported with "
                 f"`pipeline_stages`={config.pipeline_stages}; drop it (use "
                 "micro_batches for smaller pieces of the batch; the "
-                "pipeline uses every visible GPU).")
+                "pipeline uses every visible GPU).", flag=name)
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -103,22 +135,100 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
         raise
 
 
-def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
-                       ) -> dict[str, Any]:
+def _check_dataset(name: str) -> None:
+    import tensorflow_datasets as tfds
+    from tfmulti.data import shapes
+    base = name.split(":")[0].split("/")[0]
+    known = tfds.list_builders(with_community_datasets=False)
+    if base == shapes.NAME or base in known:
+        return
+    close = difflib.get_close_matches(base, known + [shapes.NAME], n=3,
+                                      cutoff=0.5)
+    raise ConfigError(
+        f"`--dataset` is {name!r}, which TFDS does not know"
+        + (f"; closest: {', '.join(close)}." if close else ".")
+        + f" (tfds.list_builders() lists all; {shapes.NAME!r} needs no "
+        "download.)", flag="dataset")
+
+
+def _check_batch(config: ExperimentConfig, replicas: int) -> None:
+    if config.global_batch_size % replicas:
+        lower = config.global_batch_size // replicas * replicas
+        options = [b for b in (lower, lower + replicas) if b > 0]
+        raise ConfigError(
+            f"`global_batch_size` is {config.global_batch_size}, which does "
+            f"not split over {replicas} replicas ({config.global_batch_size} "
+            f"% {replicas} = {config.global_batch_size % replicas}). Use a "
+            f"multiple of {replicas}, e.g. "
+            f"{' or '.join(str(b) for b in options)}.",
+            flag="global_batch_size")
+
+
+def _launch_attempt() -> int:
+    from tfmulti import launch
+    return int(os.environ.get(launch.ATTEMPT_ENV, "0") or 0)
+
+
+def _open_run_dir(config: ExperimentConfig, loop: str) -> rundir.RunDir:
+    """Every worker decides alike, before the strategy (a barrier) exists."""
+    from tfmulti import cluster as cluster_lib
+    model_dir = config.model_dir
+    if model_dir is None:
+        if (cluster_lib.cluster_config().num_workers > 1 and
+                rundir.RUN_ID_ENV not in os.environ):
+            raise ConfigError(
+                "`--model_dir` is needed for a multi-worker run outside "
+                "tfmulti-launch: every worker must write and read the same "
+                "directory, on storage they all reach.", flag="model_dir")
+        model_dir = rundir.default_model_dir(RECIPE_NAMES[loop])
+    # A group restarted by tfmulti-launch continues where it failed.
+    resume = config.resume or _launch_attempt() > 0
+    try:
+        return rundir.open_run_dir(
+            model_dir, config=_identity(config, loop), resume=resume,
+            compared=RESUME_MUST_MATCH)
+    except rundir.RunDirError as e:
+        raise ConfigError(str(e), flag="model_dir") from None
+
+
+def _identity(config: ExperimentConfig, loop: str) -> dict[str, Any]:
+    return {"loop": loop, **dataclasses.asdict(config)}
+
+
+def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
+                       verbose: bool = True) -> dict[str, Any]:
     """Runs one experiment and returns what it writes to metrics.json.
 
     Args:
       config: the experiment.
       loop: "fit" (Keras `model.fit` through `tfmulti.keras.distributed`)
         or "trainer" (`tfmulti.Trainer`).
+      verbose: print the run directory, progress lines and the closing
+        summary (chief only).
 
     Returns:
       The metrics dict (final train and eval metrics, examples/s, the
-      config, versions); the chief also writes it to
-      `config.model_dir/metrics.json`.
+      config, versions, the run directory); the chief also writes it to
+      `metrics.json` in the run directory.
+
+    Raises:
+      ConfigError: a bad or inconsistent setting (names the flag).
+      tfmulti.rundir.NothingToTrain: `resume` and the run has finished.
     """
+    began = time.perf_counter()
     if loop not in LOOPS:
-        raise ValueError(f"`loop` is {loop!r}; valid values are {list(LOOPS)}.")
+        raise ConfigError(f"`loop` is {loop!r}; valid values are "
+                          f"{list(LOOPS)}.")
+    if config.pipeline_stages > 1 and loop != "trainer":
+        raise ConfigError(
+            f"`pipeline_stages`={config.pipeline_stages} needs the Trainer "
+            f"loop, but this recipe runs `loop`={loop!r} (Keras fit, which "
+            "runs the whole model per replica). Run `python -m "
+            "recipes.custom_loop` with the same flags.",
+            flag="pipeline_stages")
+    run = _open_run_dir(config, loop)
+    model_dir = run.path
+    _check_dataset(config.dataset)
     # Devices and the strategy first: TensorFlow fixes both on first use.
     from tfmulti import cluster as cluster_lib
     from tfmulti import devices
@@ -127,15 +237,30 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         devices.simulate_devices(config.cpu_replicas)
     if config.pipeline_stages > 1:
         from tfmulti.pipeline import recipe
-        return recipe.train_and_evaluate(config)
+        return recipe.train_and_evaluate(config, run=run)
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
+    _check_batch(config, strategy.num_replicas_in_sync)
+    is_chief = cluster_lib.of_strategy(strategy).is_chief
 
     import keras
     import tensorflow as tf
     import tfmulti
     from tfmulti import models
+    from tfmulti import progress
+
+    versions = {"tfmulti": tfmulti.__version__, "tensorflow": tf.__version__,
+                "keras": keras.__version__}
+    if is_chief:
+        if not run.resuming:
+            write_json_atomically(
+                os.path.join(model_dir, rundir.CONFIG_FILE),
+                {"config": _identity(config, loop), "versions": versions,
+                 "started": rundir.timestamp()})
+        if verbose:
+            print(f"{'resuming' if run.resuming else 'run directory:'} "
+                  f"{model_dir}", flush=True)
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
@@ -155,6 +280,10 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
             config, examples_per_update=examples_per_update))
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
+    progress_logger = progress.ProgressLogger(
+        total_steps=total_steps,
+        steps_per_epoch=min(total_steps, steps_per_epoch),
+        examples_per_step=examples_per_update, is_chief=is_chief and verbose)
     start = time.perf_counter()
     if loop == "trainer":
         trainer = tfmulti.Trainer(
@@ -166,14 +295,19 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
             allreduce_dtype=config.allreduce_dtype,
             steps_per_loop=config.steps_per_loop,
             mixed_precision=config.mixed_precision,
-            model_dir=config.model_dir)
+            model_dir=model_dir)
         history = trainer.fit(train, steps=total_steps, eval_data=test,
                               eval_every=steps_per_epoch,
-                              global_batch_size=config.global_batch_size)
+                              global_batch_size=config.global_batch_size,
+                              callbacks=[progress_logger], verbose=0)
         seconds = time.perf_counter() - start
         evaluation = trainer.evaluate(test)
-        final_train = {k: v[-1] for k, v in history.items() if v}
+        final_train = {k: history[k][-1] for k in
+                       ("loss", *[m.name for m in trainer.metrics])
+                       if history.get(k)}
+        checkpoints = model_dir
     else:
+        from tfmulti.keras import backup as backup_lib
         with strategy.scope():
             model.compile(
                 optimizer=optimizer,
@@ -190,27 +324,34 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit"
         history = model.fit(
             train, epochs=epochs, steps_per_epoch=min(total_steps,
                                                       steps_per_epoch),
-            validation_data=test, verbose=2,
-            callbacks=tfmulti.keras.callbacks(config.model_dir))
+            validation_data=test, verbose=0,
+            callbacks=[*tfmulti.keras.callbacks(model_dir),
+                       progress_logger])
         seconds = time.perf_counter() - start
         evaluation = model.evaluate(test, verbose=0, return_dict=True)
         final_train = {k: v[-1] for k, v in history.history.items()
                        if not k.startswith("val_")}
+        checkpoints = os.path.join(model_dir, backup_lib.CHECKPOINT_DIR)
     metrics = {
         "loop": loop,
         "train": _floats(final_train),
         "eval": _floats(evaluation),
         "steps": total_steps,
-        "examples_per_sec": total_steps * examples_per_update / seconds,
+        "seconds": seconds,
+        "examples_per_sec": (progress_logger.step - progress_logger.first_step
+                             ) * examples_per_update / seconds,
         "num_replicas": strategy.num_replicas_in_sync,
-        "config": dataclasses.asdict(config),
-        "versions": {"tfmulti": tfmulti.__version__,
-                     "tensorflow": tf.__version__,
-                     "keras": keras.__version__},
+        "model_dir": model_dir,
+        "config": _identity(config, loop),
+        "versions": versions,
     }
-    if cluster_lib.cluster_config().is_chief:
-        write_json_atomically(os.path.join(config.model_dir, "metrics.json"),
+    if is_chief:
+        write_json_atomically(os.path.join(model_dir, rundir.METRICS_FILE),
                               metrics)
+        if verbose:
+            print(progress.summary(
+                metrics, model_dir=model_dir, checkpoints=checkpoints,
+                wall_seconds=time.perf_counter() - began), flush=True)
     return metrics
 
 

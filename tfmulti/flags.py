@@ -1,23 +1,38 @@
-"""The absl flags the recipes share.
+"""The absl flags the recipes share, and how a recipe runs and fails.
 
 `define_flags()` is called by a recipe, never at import, so importing tfmulti
 adds nothing to a program's flags. `experiment_config()` turns the parsed
-flags into the frozen `ExperimentConfig` the library runs.
+flags into the frozen `ExperimentConfig` the library runs; `run_recipe()` is
+a recipe's `app.run`: quiet by default (warnings, progress lines and the
+closing summary; `--verbosity=0` adds tfmulti's and TensorFlow's info logs),
+and a bad flag is one line naming it plus its help, not a traceback or the
+module's docstring. Only flag values and settings are usage errors: any
+other error of the run keeps its traceback.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from typing import Callable
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from tfmulti import experiment
+from tfmulti import rundir
 from tfmulti import strategies
 
 _ALLREDUCE_DTYPES = ("float32", "float16", "bfloat16")
 _MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
 _LR_SCALING = ("none", "linear", "sqrt")
+# The recipes' reading of absl's --verbosity (absl's help says its default
+# becomes 0; a recipe keeps -1 unless the flag is given).
+VERBOSITY_HELP = ("-1 (default): warnings, progress lines and the closing "
+                  "summary; 0: also tfmulti's and TensorFlow's info logs "
+                  "(strategy, sharding, batch split); 1: debug.")
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -43,15 +58,16 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "All-reduce algorithm (nccl, hierarchical_copy, reduce_to_one for "
         "mirrored; ring, nccl for multi_worker).", **fv)
     flags.DEFINE_integer("pack_bytes", None, "Pack gradients into chunks of "
-                         "this many bytes for the all-reduce.",
-                         lower_bound=0, **fv)
+                         "this many bytes (a positive number) for the "
+                         "all-reduce; default: TensorFlow's packing.",
+                         lower_bound=1, **fv)
     flags.DEFINE_enum("allreduce_dtype", "float32", list(_ALLREDUCE_DTYPES),
                       "Dtype gradients travel in during the all-reduce.", **fv)
     flags.DEFINE_string("dataset", experiment.DEFAULT_DATASET,
                         "A prepared TFDS dataset name; the default is "
                         "generated offline on first use.", **fv)
-    flags.DEFINE_string("data_dir", None, "TFDS data dir (default: TFDS's).",
-                        **fv)
+    flags.DEFINE_string("data_dir", None, "TFDS data dir (default: "
+                        "$TFDS_DATA_DIR, else ~/tensorflow_datasets).", **fv)
     flags.DEFINE_integer("global_batch_size", 128, "Examples per step over "
                          "all replicas.", lower_bound=1, **fv)
     flags.DEFINE_integer("epochs", 3, "Passes over the training split.",
@@ -77,8 +93,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("steps_per_loop", 50, "Steps per tf.function call "
                          "(steps_per_execution for model.fit).",
                          lower_bound=1, **fv)
-    flags.DEFINE_string("model_dir", "/tmp/tfmulti", "Checkpoints, "
-                        "TensorBoard events and metrics.json go here.", **fv)
+    flags.DEFINE_string("model_dir", None, "The run's directory: "
+                        "config.json, checkpoints, TensorBoard events and "
+                        "metrics.json (default: a new "
+                        "./runs/<recipe>-<YYYYmmdd-HHMMSS>).", **fv)
+    flags.DEFINE_bool("resume", False, "Continue the run in --model_dir "
+                      "(same training flags); without it a directory that "
+                      "holds a run is refused.", **fv)
     flags.DEFINE_integer("seed", 0, "Random seed.", **fv)
     flags.DEFINE_integer("pipeline_stages", 1, "Split the model into this "
                          "many pipeline stages over the devices (groups of "
@@ -88,9 +109,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "group with --pipeline_stages (the example CNN "
                          "drops BatchNormalization when the batch is "
                          "split).", lower_bound=1, **fv)
-    flags.register_validator(
-        "pack_bytes", lambda v: v is None or v > 0,
-        "--pack_bytes must be positive when given.", flag_values=flag_values)
 
 
 def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
@@ -113,8 +131,40 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         mixed_precision=None if f.mixed_precision == "none"
         else f.mixed_precision,
         sync_batchnorm=f.sync_batchnorm, steps_per_loop=f.steps_per_loop,
-        model_dir=f.model_dir, seed=f.seed,
+        model_dir=f.model_dir, resume=f.resume, seed=f.seed,
         pipeline_stages=f.pipeline_stages, micro_batches=f.micro_batches)
+
+
+def _usage_error(message: str, flag: str | None = None,
+                 flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Exits with one line naming the problem, and the flag's help."""
+    program = os.path.basename(sys.argv[0] or "recipe").removesuffix(".py")
+    lines = [f"{program}: error: {message}"]
+    if flag and flag in flag_values:
+        f = flag_values[flag]
+        default = "" if f.default is None else f" (default: {f.default!r})"
+        lines.append(f"  --{flag}: {f.help}{default}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        # absl: "flag --strategy=horovod: value should be one of <...>".
+        named = re.search(r"--(\w+)", str(e))
+        _usage_error(f"{e}", named.group(1) if named else None)
+
+
+def _quiet(flag_values: flags.FlagValues) -> None:
+    """Warnings and progress only, unless --verbosity was given."""
+    if flag_values["verbosity"].present:
+        return
+    logging.set_verbosity(logging.WARNING)
+    # First use of the offline dataset: one line instead of TFDS's bars.
+    import tensorflow_datasets as tfds
+    tfds.disable_progress_bar()
 
 
 def recipe_main(loop: str) -> Callable[[list[str]], None]:
@@ -124,18 +174,25 @@ def recipe_main(loop: str) -> Callable[[list[str]], None]:
       loop: "fit" or "trainer" (see `experiment.train_and_evaluate`).
 
     Returns:
-      A function for `absl.app.run`. A bad combination of flag values
-      becomes an absl usage error that says what is allowed.
+      A function for `absl.app.run`. A bad setting (`ConfigError`) exits 1
+      with one line and the flag's help; a finished run given `--resume`
+      exits 0 after saying there is nothing to train.
     """
     def main(argv: list[str]) -> None:
         if len(argv) > 1:
-            raise app.UsageError(f"Unexpected arguments: {argv[1:]}; every "
-                                 "setting is a --flag.")
+            _usage_error(f"unexpected arguments {argv[1:]}; every setting is "
+                         "a --flag (see --help).")
+        _quiet(flags.FLAGS)
         try:
-            # tfmulti raises ValueError only for bad arguments, and here
-            # every argument comes from a flag.
             experiment.train_and_evaluate(experiment_config(), loop=loop)
-        except ValueError as e:
-            raise app.UsageError(str(e)) from None
+        except experiment.ConfigError as e:
+            _usage_error(str(e), e.flag)
+        except rundir.NothingToTrain as e:
+            print(e, flush=True)
 
     return main
+
+
+def run_recipe(loop: str) -> None:
+    """`app.run` for a recipe whose flags `define_flags()` defined."""
+    app.run(recipe_main(loop), flags_parser=_parse_flags)

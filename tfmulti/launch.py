@@ -7,7 +7,11 @@ says otherwise), and every line it prints is prefixed with `[wI]`. A worker
 that fails takes the group down: MultiWorkerMirroredStrategy cannot continue
 with a peer missing, so the whole group is restarted (the job resumes from its
 checkpoints) while restarts remain. SIGINT/SIGTERM are forwarded to every
-worker, so a preempted launcher lets its workers save.
+worker, so a preempted launcher lets its workers save. At the end it prints
+a summary: each worker's exit, the restarts and the wall time.
+
+No TensorFlow here (nor in what it imports): help and the launcher start in
+a fraction of a second, and the workers are the only TensorFlow processes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes
+from tfmulti import rundir
 
 # How long a worker gets to exit after SIGTERM before it is killed; long
 # enough for a preemption checkpoint of a small model.
@@ -138,12 +143,15 @@ def _describe(code):
     return f"exited with code {code}"
 
 
-def launch(command: list[str], options: LaunchOptions) -> int:
+def launch(command: list[str], options: LaunchOptions, *,
+           summary: dict | None = None) -> int:
     """Runs `command` as a group of workers until it succeeds or gives up.
 
     Args:
       command: the program and its arguments, run once per worker.
       options: a `LaunchOptions`.
+      summary: if given, filled with `attempts` (groups started) and
+        `codes` (the last group's exit codes, in worker order).
 
     Returns:
       The exit code for the launcher: 0 when every worker of one attempt
@@ -186,6 +194,9 @@ def launch(command: list[str], options: LaunchOptions) -> int:
             finally:
                 group.stop(min(options.grace_seconds,
                                _FAILURE_GRACE_SECONDS))
+                if summary is not None:
+                    summary.update(attempts=attempt + 1, codes=[
+                        p.returncode for p in group.procs])
             if failure is None:
                 return 0
             index, code = failure
@@ -207,6 +218,56 @@ def _say(message):
     print(f"tfmulti-launch: {message}", file=sys.stderr, flush=True)
 
 
+def _exit_name(code):
+    if code is None:
+        return "not started"
+    if code < 0:
+        return signal.Signals(-code).name
+    return f"{code} (preempted)" if code == exit_codes.PREEMPTED else str(code)
+
+
+def _summary_line(summary, seconds):
+    codes = summary.get("codes", [])
+    attempts = summary.get("attempts", 0)
+    workers = ", ".join(f"w{i} {_exit_name(c)}" for i, c in enumerate(codes))
+    return (f"{len(codes)} worker(s) exited: {workers or 'none'}; "
+            f"{max(0, attempts - 1)} restart(s); wall time "
+            f"{time.strftime('%H:%M:%S', time.gmtime(seconds))}")
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="tfmulti-launch",
+        description="Run COMMAND as N local workers of one multi-worker job "
+        "(MultiWorkerMirroredStrategy). Each worker gets its own TF_CONFIG "
+        "on free ports, and each line it prints is prefixed with [wI]. If a "
+        "worker fails, all are stopped and, while restarts remain, the "
+        "whole group starts again (the job resumes from its checkpoints).",
+        usage="tfmulti-launch --workers N [--max_restarts R] [--timeout S] "
+              "[--host H] -- COMMAND ...",
+        epilog="Workers see TF_CONFIG, TFMULTI_LAUNCH_ATTEMPT (0 for the "
+        "first group, then 1, 2, ... after restarts) and TFMULTI_RUN_ID "
+        "(the same for all workers and restarts; the recipes name their "
+        "default run directory with it). SIGINT/SIGTERM are forwarded to "
+        "every worker, which gets 30 s to save and exit. Exit status: 0 "
+        "when every worker of one group exited 0; 124 on --timeout; "
+        "128+N when stopped by signal N; else the failing worker's code. "
+        "Example: tfmulti-launch --workers 2 -- python -m recipes.keras_fit")
+    parser.add_argument("--workers", type=int, required=True,
+                        help="number of worker processes (required)")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="times the whole group is started again after "
+                        "a worker fails (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds the whole job may take, all attempts "
+                        "included; then every worker is stopped (exit 124); "
+                        "default: no limit")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the workers listen on (default: "
+                        "%(default)s)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tfmulti-launch` and `python -m tfmulti.launch`."""
     argv = sys.argv[1:] if argv is None else argv
@@ -215,16 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1:]
     else:
         command = []
-    parser = argparse.ArgumentParser(
-        prog="tfmulti-launch",
-        description="Run COMMAND as N local workers of a multi-worker job.",
-        usage="tfmulti-launch --workers N [--max_restarts R] [--timeout S] "
-              "[--host H] -- COMMAND ...")
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--max_restarts", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=None)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address workers listen on (default loopback)")
+    parser = _parser()
     args = parser.parse_args(argv)
     if not command:
         parser.error("no COMMAND: put it after `--`")
@@ -234,7 +286,14 @@ def main(argv: list[str] | None = None) -> int:
                                 timeout=args.timeout, host=args.host)
     except ValueError as e:
         parser.error(str(e))
-    return launch(command, options)
+    # One id for every worker and restart: a recipe's default run directory
+    # is then the same on all workers, and a restarted group resumes it.
+    os.environ.setdefault(rundir.RUN_ID_ENV, rundir.timestamp())
+    began, summary = time.monotonic(), {}
+    try:
+        return launch(command, options, summary=summary)
+    finally:
+        _say(_summary_line(summary, time.monotonic() - began))
 
 
 if __name__ == "__main__":

@@ -48,16 +48,18 @@ def translated(strategy):
     cluster = cluster_lib.of_strategy(strategy)
     num_workers = cluster.num_workers
     try:
-        with watchdog.armed(strategy):
-            yield
+        yield
     except _PEER_ERRORS as e:
         if num_workers < 2:
             raise
         dog = watchdog.of(strategy)
         if dog is not None and dog.fired:
             cause = (
-                "no loop of training steps completed within `stall_timeout_"
-                f"seconds`={dog.timeout_seconds:g} of create_strategy: "
+                "a loop of training steps waited `stall_timeout_"
+                f"seconds`={dog.timeout_seconds:g} of create_strategy "
+                f"({max(dog.timeout_seconds, watchdog.FIRST_LOOP_SECONDS):g} s"
+                " before this worker's first loop, "
+                "which also traces the step): "
                 "another worker is stuck, far slower, or dead (raise it if "
                 "one loop of steps, an evaluation pass or a save "
                 "legitimately takes longer)")

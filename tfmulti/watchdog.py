@@ -12,12 +12,17 @@ collectives a second exhausts the machine's threads within minutes (measured
 in BUILD_NOTES, issue 19).
 
 Here one thread per process watches instead, at a cost that does not grow
-with the number of collectives. While a training call is under way
-(`armed`), every completed loop of steps is a `beat`; when nothing has beaten
-for `timeout_seconds`, the watchdog aborts this process's collectives, as
-MultiWorkerMirroredStrategy's own health check does for an unreachable peer.
+with the number of collectives. tfmulti's loops of steps and evaluation
+passes run `calling` the watchdog; when one has waited `timeout_seconds`,
+the watchdog aborts this process's collectives, as MultiWorkerMirroredStrategy's
+own health check does for an unreachable peer.
 The pending call then fails with `DeadlineExceededError`, which
 `tfmulti.peer_failure` turns into a `PeerFailureError` naming the bound.
+
+Until this process has completed its first loop, the bound is at least
+`FIRST_LOOP_SECONDS`: that loop also traces (and may compile) the step, on
+every worker, and a short bound meant for steady state would fail a healthy
+job whose slowest worker is still tracing.
 """
 
 from __future__ import annotations
@@ -32,25 +37,39 @@ from tensorflow.python.eager import context
 
 _WATCHDOGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+FIRST_LOOP_SECONDS = 600.0
+
 
 class Watchdog:
-    """Aborts this process's collectives after `timeout_seconds` without a
-    beat while armed. One daemon thread, started on first use."""
+    """Aborts this process's collectives when a call with collectives has
+    waited `timeout_seconds`. One daemon thread, started on first use."""
 
     def __init__(self, timeout_seconds: float):
         self.timeout_seconds = float(timeout_seconds)
         self.fired = False
+        self.warm = False
         self._cond = threading.Condition()
-        self._armed = 0
-        self._last_beat = time.monotonic()
+        self._calls = 0
+        self._began = 0.0
         self._thread = None
 
+    @property
+    def bound_seconds(self) -> float:
+        """The bound in force now."""
+        return self.timeout_seconds if self.warm else max(
+            self.timeout_seconds, FIRST_LOOP_SECONDS)
+
     @contextlib.contextmanager
-    def armed(self):
-        """Watches the enclosed training call (re-entrant)."""
+    def calling(self):
+        """Times the enclosed call (a loop of steps, an evaluation pass).
+
+        Only a process blocked in such a call aborts: one stuck in its own
+        host code (the stuck peer itself) leaves the verdict to the peers
+        that wait for it, whose error then names the bound.
+        """
         with self._cond:
-            self._armed += 1
-            self._last_beat = time.monotonic()
+            self._calls += 1
+            self._began = time.monotonic()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="tfmulti-watchdog", daemon=True)
@@ -60,32 +79,26 @@ class Watchdog:
             yield self
         finally:
             with self._cond:
-                self._armed -= 1
-                self._cond.notify()
-
-    def beat(self) -> None:
-        """Records progress: the stall clock starts again."""
-        # A plain store: the watcher reads it under its lock, and a beat a
-        # few microseconds stale changes nothing at this time scale.
-        self._last_beat = time.monotonic()
+                self._calls -= 1
+                self.warm = True
 
     def _watch(self):
         with self._cond:
             while True:
-                if not self._armed or self.fired:
+                if not self._calls or self.fired:
                     self._cond.wait()
                     continue
-                remaining = (self._last_beat + self.timeout_seconds -
-                             time.monotonic())
+                bound = self.bound_seconds
+                remaining = self._began + bound - time.monotonic()
                 if remaining > 0:
                     self._cond.wait(remaining)
                     continue
                 self.fired = True
                 context.context().abort_collective_ops(
                     tf.errors.DEADLINE_EXCEEDED,
-                    f"tfmulti watchdog: no training progress for "
-                    f"{self.timeout_seconds:g} s (`stall_timeout_seconds`); "
-                    "a peer is stuck or far slower. Collectives aborted.")
+                    f"tfmulti watchdog: a call waited {bound:g} s "
+                    "(`stall_timeout_seconds`); a peer is stuck or far "
+                    "slower. Collectives aborted.")
 
 
 def attach(strategy, timeout_seconds: float | None) -> None:
@@ -105,18 +118,11 @@ def of(strategy) -> Watchdog | None:
 
 
 @contextlib.contextmanager
-def armed(strategy):
-    """Arms `strategy`'s watchdog, if it has one, around a training call."""
+def calling(strategy):
+    """Times a call with collectives on `strategy`'s watchdog, if any."""
     dog = of(strategy)
     if dog is None:
         yield None
     else:
-        with dog.armed():
+        with dog.calling():
             yield dog
-
-
-def beat(strategy) -> None:
-    """Records progress on `strategy`'s watchdog, if it has one."""
-    dog = of(strategy)
-    if dog is not None:
-        dog.beat()

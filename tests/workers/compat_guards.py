@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
+from tfmulti import compat  # noqa: E402
 
 tfmulti.simulate_devices(2)
 
@@ -85,7 +86,7 @@ def _():
 def _():
     data = tf.data.Dataset.range(8).batch(2)
     iterator = iter(MIRRORED.experimental_distribute_dataset(data))
-    trackable = tfmulti.compat.is_trackable(iterator)
+    trackable = compat.is_trackable(iterator)
     return not trackable, type(iterator).__name__
 
 

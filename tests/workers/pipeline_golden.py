@@ -26,6 +26,8 @@ DEVICES = None
 
 STEPS = 3
 BATCH = 16
+# (S:M:D) pipelines trained by tfmulti.Trainer (resumed too).
+TRAINER_CASES = ["2:2:1", "2:2:2"]
 
 
 def make_model(kind):
@@ -181,13 +183,85 @@ def interchange(case, ckpt_dir):
         fresh.predict(x) - expected))), "loaded_group_diff": group_diff}
 
 
+def dataset():
+    xs, ys = data()
+    return tf.data.Dataset.from_tensor_slices((xs, ys))
+
+
+def trainer_fit(case, model_dir, steps, *, stop_at=None):
+    """A fresh PipelinedModel trained by tfmulti.Trainer up to `steps`
+    (first to `stop_at`, then by a second Trainer from `model_dir`)."""
+    S, M, D = (int(p) for p in case.split(":")[:3])
+
+    def fit(until):
+        pipe = pipeline.PipelinedModel(
+            make_model("mlp"),
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=loss_fn(), num_stages=S, micro_batches=M, data_parallel=D,
+            verbose=False)
+        trainer = tfmulti.Trainer(pipe, model_dir=model_dir, steps_per_loop=2,
+                                  metrics=["sparse_categorical_accuracy"])
+        history = trainer.fit(dataset(), steps=until, eval_data=dataset(),
+                              verbose=0)
+        return pipe, trainer, history
+
+    losses = []
+    if stop_at is not None:
+        losses += fit(stop_at)[2]["step_loss"]
+    pipe, trainer, history = fit(steps)
+    return pipe, trainer, losses + history["step_loss"], history
+
+
+def trainer_cases(cases, goldens, ckpt_dir):
+    """The Trainer over a PipelinedModel vs one device; a resumed run vs an
+    uninterrupted one; a checkpoint for the one-device process."""
+    g_losses, g_weights = goldens.setdefault("mlp", golden("mlp"))
+    # One device's evaluation of its 3-step weights on the same data.
+    with tf.device(DEVICES[0]):
+        reference = make_model("mlp")
+        reference.set_weights(g_weights)
+        xs, ys = data()
+        g_val_loss = float(np.mean(loss_fn()(
+            ys.reshape(-1), reference(xs.reshape(-1, 12), training=False))))
+    results = {}
+    for case in cases:
+        pipe, trainer, losses, history = trainer_fit(
+            case, f"{ckpt_dir}/trainer_{case.replace(':', '_')}", STEPS)
+        results[case] = {
+            "weight_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(
+                pipe.model.get_weights(), g_weights)),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, g_losses)),
+            "steps": trainer.step,
+            "val_loss_diff": abs(history["val_loss"][-1] - g_val_loss),
+            "train_accuracy": history["sparse_categorical_accuracy"][-1],
+            "optimizer_layout": trainer._pipeline.optimizer_layout,
+        }
+    # Resumed from a checkpoint by a second Trainer over a new
+    # PipelinedModel, the last case must equal its uninterrupted run.
+    resumed, _, r_losses, _ = trainer_fit(
+        case, f"{ckpt_dir}/resumed", STEPS, stop_at=1)
+    results[case]["resume_weight_diff"] = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(resumed.model.get_weights(), pipe.model.get_weights()))
+    results[case]["resume_loss_diff"] = max(
+        abs(a - b) for a, b in zip(r_losses, losses))
+    # The one-device process resumes this 2-step pipelined checkpoint with
+    # a one-device Trainer and must reach the golden 3-step weights.
+    pipe, *_ = trainer_fit(cases[-1], f"{ckpt_dir}/for_one_device", 2)
+    np.save(f"{ckpt_dir}/trainer_predictions.npy", pipe.predict(data()[0][0]))
+    np.savez(f"{ckpt_dir}/golden_weights.npz", *g_weights)
+    return results
+
+
 def main():
     global DEVICES
     DEVICES = tfmulti.simulate_devices(8)
     out, cases, ckpt_dir = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     goldens = {}
     results = [run(case, goldens) for case in cases]
+    trainer_results = trainer_cases(TRAINER_CASES, goldens, ckpt_dir)
     results.append(interchange(cases[-1], ckpt_dir))
+    results[-1]["trainer"] = trainer_results
     print(json.dumps(results[-1]))
     for r in results[:-1]:
         print(json.dumps({k: r[k] for k in ("case", "cuts", "loss_diff",

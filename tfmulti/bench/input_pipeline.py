@@ -70,7 +70,7 @@ def _train_loop(strategy, model, optimizer, global_batch_size):
 
 def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
             global_batch_size: int = 128, steps: int = 20, rounds: int = 16,
-            cache: bool = False) -> dict:
+            cache: bool | None = None) -> dict:
     """Training steps/s from TFDS files through tfmulti vs from memory.
 
     Args:
@@ -80,7 +80,8 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
       global_batch_size: examples per step.
       steps: steps timed per round and feed.
       rounds: rounds of `steps` steps per feed, feeds alternating.
-      cache: pass `cache=True` to the file pipelines (decode once).
+      cache: `cache` of the file pipelines (None: the library default,
+        which caches a small dataset such as tfmulti_shapes in memory).
 
     Returns:
       A dict with the best steps/s per feed (`pipeline`, `pipeline_map`,
@@ -144,6 +145,76 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
             "cache": cache}
 
 
+def stage_cpu_seconds(*, data_dir: str | None = None,
+                      global_batch_size: int = 128,
+                      batches: int = 40) -> dict:
+    """CPU seconds per batch of each input stage, without training.
+
+    Each stage is iterated alone for `batches` batches (after a warm-up
+    batch), on one input pipeline, and timed with this process's CPU time
+    (all threads): reading and parsing the records with the image still
+    encoded, decoding the PNGs too, the whole tfmulti pipeline (shuffle,
+    batch, prefetch) from files, the same with `cache=True` after its first
+    pass, and the cached in-memory batches. The
+    differences say what each stage costs the cores the training step runs
+    on; tf.data's threads (`threads`: its default private pool is one per
+    core) take that CPU from the step.
+
+    Returns:
+      {"cpu_s_per_batch": {stage: s}, "wall_s_per_batch": {stage: s},
+      "threads", "global_batch_size", "batches"}.
+    """
+    import os
+
+    import tensorflow_datasets as tfds
+
+    data_dir = data_dir or tempfile.mkdtemp(prefix="tfmulti_bench_")
+    builder = shapes.prepare_default(data_dir)
+    context = tf.distribute.InputContext()
+
+    def records(decoders):
+        return tfds_source.tfds_dataset_fn(
+            shapes.NAME, "train", data_dir=data_dir,
+            decoders=decoders).read(context).repeat().batch(
+                global_batch_size)
+
+    images, labels = next(iter(builder.as_dataset(
+        split="train", as_supervised=True, batch_size=global_batch_size)))
+    stages = {
+        "read_parse": records({"image": tfds.decode.SkipDecoding()}),
+        "read_parse_decode": records(None),
+        "pipeline": pipeline.build_pipeline(
+            tfds_source.tfds_dataset_fn(shapes.NAME, "train",
+                                        data_dir=data_dir), context,
+            options=pipeline.PipelineOptions(
+                global_batch_size=global_batch_size)),
+        # Decoded once, then shuffled and batched from memory.
+        "pipeline_cached": pipeline.build_pipeline(
+            tfds_source.tfds_dataset_fn(shapes.NAME, "train",
+                                        data_dir=data_dir), context,
+            options=pipeline.PipelineOptions(
+                global_batch_size=global_batch_size, cache=True)),
+        "memory": tf.data.Dataset.from_tensors(
+            (images, labels)).cache().repeat(),
+    }
+    cpu, wall = {}, {}
+    for name, dataset in stages.items():
+        iterator = iter(dataset)
+        # Warm-up; for the cached pipeline, its whole first (caching) pass.
+        warm = 1 if name != "pipeline_cached" else -(
+            -builder.info.splits["train"].num_examples // global_batch_size)
+        for _ in range(warm):
+            next(iterator)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(batches):
+            next(iterator)
+        cpu[name] = (time.process_time() - start_cpu) / batches
+        wall[name] = (time.perf_counter() - start) / batches
+    return {"cpu_s_per_batch": cpu, "wall_s_per_batch": wall,
+            "threads": os.cpu_count(), "global_batch_size": global_batch_size,
+            "batches": batches}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
@@ -151,7 +222,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--cache", action="store_true")
+    parser.add_argument("--cache", action="store_true", default=None,
+                        help="force cache=True (default: the library's)")
     args = parser.parse_args(argv)
     import tfmulti  # Devices first: before any other TensorFlow work.
     tfmulti.simulate_devices(args.replicas)

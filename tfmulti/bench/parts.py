@@ -22,6 +22,11 @@ def _step_overhead(**kwargs):
     return step_overhead.run(**kwargs)
 
 
+def _step_overhead_layouts(**kwargs):
+    from tfmulti.bench import step_overhead
+    return step_overhead.run_layouts(**kwargs)
+
+
 def _input_pipeline(*, replicas, **kwargs):
     import tfmulti
     devices = tfmulti.simulate_devices(replicas)
@@ -52,6 +57,7 @@ def _pipeline_bubble(**kwargs):
 
 PARTS = {
     "step_overhead": _step_overhead,
+    "step_overhead_layouts": _step_overhead_layouts,
     "input_pipeline": _input_pipeline,
     "communication": _communication,
     "accumulation_memory": _accumulation_memory,

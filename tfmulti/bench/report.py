@@ -6,7 +6,11 @@
 "replica_overhead": {model: {method: {replicas (str): ratio}}},
 "input_pipeline", "communication", "accumulation_memory", "soak": {entry:
 {"samples", "growth", ...}} (full mode only), "goals": [{"name",
-"value", "goal", "met"}], "errors": {part: message}, "seconds"}.
+"value", "goal", "met", "status"}], "errors": {part: message}, "seconds",
+"load_average": {"start", "end", "parts": {part: {"before", "after"}}}}.
+The machine may be shared: every figure comes with the 1/5/15-minute load
+averages around it (per step-overhead process too), and only ratios measured
+inside one process are goals.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("schema_version", "machine", "settings", "step_overhead",
                   "replica_overhead", "input_pipeline", "communication",
                   "accumulation_memory", "soak", "goals", "errors",
-                  "seconds")
+                  "seconds", "load_average")
+# `python -m tfmulti.bench --quick` should take at most this long on an idle
+# 2-core machine.
+QUICK_SECONDS = 180
 # Step-overhead keys that are settings or ratios, not methods' steps/s.
 _NOT_METHODS = {"replicas", "batch", "width", "steps", "repeats", "model",
-                "rounds"}
+                "rounds", "load_average"}
 LABELS = {"bare_loop_32": "bare tf.range loop (ceiling)",
           "trainer_32": "tfmulti Trainer, steps_per_loop 32",
           "trainer_1": "tfmulti Trainer, steps_per_loop 1",
-          "keras_fit": "Keras 3 default model.fit"}
+          "keras_fit": "Keras 3 default model.fit",
+          "trainer_32_xla": "tfmulti Trainer, steps_per_loop 32, XLA"}
 
 
 def methods(figures: dict) -> list[str]:
@@ -70,23 +78,38 @@ def replica_overhead(step_overhead: dict) -> dict:
 
 
 def goals(results: dict) -> list[dict]:
-    """The issue's goals, each with the measured value and whether met."""
+    """The issue's goals, each with the measured value and met / MISSED."""
     found = []
 
     def add(name, value, goal, met):
         found.append({"name": name, "value": value, "goal": goal,
-                      "met": bool(met)})
+                      "met": bool(met),
+                      "status": "met" if met else "MISSED"})
+
+    def add_ratio(figures, key, goal, name):
+        if key in figures:
+            add(name, figures[key], f">= {goal}", figures[key] >= goal)
 
     for model, by_n in results.get("step_overhead", {}).items():
-        top = by_n.get(str(max(int(n) for n in by_n))) if by_n else None
-        if top:
-            n = top["replicas"]
-            add(f"{model}: Trainer/bare loop at N={n}",
-                top["trainer_32_vs_bare_loop_32"], ">= 0.95",
-                top["trainer_32_vs_bare_loop_32"] >= 0.95)
-            add(f"{model}: Trainer/Keras fit at N={n}",
-                top["trainer_32_vs_keras_fit"], ">= 5",
-                top["trainer_32_vs_keras_fit"] >= 5)
+        ns = sorted(by_n, key=int)
+        for n in ns:
+            add_ratio(by_n[n], "trainer_32_vs_bare_loop_32", 0.95,
+                      f"{model}: Trainer/bare loop at N={n}")
+        if not ns:
+            continue
+        top = by_n[ns[-1]]
+        add_ratio(top, "trainer_32_vs_keras_fit", 5,
+                  f"{model}: Trainer/Keras fit at N={ns[-1]}")
+        if model == "cnn":
+            for n in sorted({ns[0], ns[-1]}, key=int):
+                add_ratio(by_n[n], "trainer_32_xla_vs_bare_loop_32", 1.3,
+                          f"cnn: Trainer XLA / uncompiled bare loop at N={n}")
+        if model == "mlp":
+            add_ratio(top, "tfmulti_fit_32_vs_keras_fit", 3,
+                      f"mlp: tfmulti fit / Keras fit, whole {top['steps']}-"
+                      f"step call at N={ns[-1]}")
+            add_ratio(top, "tfmulti_fit_32_steady_vs_trainer_32", 0.9,
+                      f"mlp: tfmulti fit steady / Trainer at N={ns[-1]}")
     pipe = results.get("input_pipeline")
     if pipe:
         add("input pipeline / in-memory (paired)", pipe["ratio_paired"],
@@ -94,9 +117,10 @@ def goals(results: dict) -> list[dict]:
     comm = (results.get("communication") or {}).get("configs")
     if comm:
         f32, b16 = comm["one_pack_float32"], comm["one_pack_bfloat16"]
-        ratio = b16["payload_bytes"] / f32["payload_bytes"]
-        add("bfloat16 bytes / float32 bytes", ratio, "0.5",
-            abs(ratio - 0.5) < 1e-9 and b16["wire_dtypes"] == ["bfloat16"])
+        bytes_ratio = b16["payload_bytes"] / f32["payload_bytes"]
+        add("bfloat16 bytes / float32 bytes", bytes_ratio, "0.5",
+            abs(bytes_ratio - 0.5) < 1e-9 and
+            b16["wire_dtypes"] == ["bfloat16"])
         per, one = comm["per_tensor_float32"], f32
         add("collectives: per-tensor -> packed",
             f"{per['collectives_per_step']} -> "
@@ -113,7 +137,19 @@ def goals(results: dict) -> list[dict]:
             ratio = soak["growth"][key]["ratio"]
             add(f"soak {entry} {soak['seconds']:.0f} s: {key} last/after "
                 "warm-up", ratio, "< 1.05", ratio < 1.05)
+    settings = results.get("settings", {})
+    if settings.get("mode") == "quick" and "seconds" in results:
+        load = results.get("load_average", {})
+        add(f"--quick wall time, s (load average start "
+            f"{format_load(load.get('start'))}, end "
+            f"{format_load(load.get('end'))}; "
+            "goal on an idle machine)", results["seconds"],
+            f"< {QUICK_SECONDS}", results["seconds"] < QUICK_SECONDS)
     return found
+
+
+def format_load(values):
+    return "?" if not values else "/".join(f"{v:.1f}" for v in values)
 
 
 def _fmt(value):
@@ -125,17 +161,24 @@ def _fmt(value):
 def markdown(results: dict) -> str:
     """results.md: the machine, the goals and every table."""
     m = results["machine"]
+    load = results.get("load_average", {})
     lines = ["# tfmulti benchmarks", "",
              f"Machine: {m['cpus']} CPU cores, {m['gpus']} GPU, "
              f"TensorFlow {m['tensorflow']}, Keras {m['keras']}, Python "
-             f"{m['python']}, {m['platform']}; load average at start "
-             f"{', '.join(f'{x:.1f}' for x in m['load_average_at_start'])}. "
-             f"Settings: {results['settings']['mode']}; total "
+             f"{m['python']}, {m['platform']}; load average (1/5/15 min) "
+             f"at start {format_load(load.get('start'))}, at end "
+             f"{format_load(load.get('end'))}. Settings: "
+             f"{results['settings']['mode']}; total "
              f"{results['seconds']:.0f} s.", "", "## Goals", "",
-             "| goal | measured | target | met |", "| --- | --- | --- | --- |"]
+             "| goal | measured | target | status |",
+             "| --- | --- | --- | --- |"]
     for g in results["goals"]:
         lines.append(f"| {g['name']} | {_fmt(g['value'])} | {g['goal']} | "
-                     f"{'yes' if g['met'] else 'NO'} |")
+                     f"{g['status']} |")
+    for part, around in load.get("parts", {}).items():
+        lines.append(f"\nLoad average around {part}: before "
+                     f"{format_load(around['before'])}, after "
+                     f"{format_load(around['after'])}.")
     for model, by_n in results["step_overhead"].items():
         ns = sorted(by_n, key=int)
         lines += ["", f"## Step overhead: {model} (steps/s, median)", "",
@@ -144,9 +187,18 @@ def markdown(results: dict) -> str:
         for method in methods(by_n[ns[0]]):
             lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(
                 _fmt(by_n[n].get(method, float("nan"))) for n in ns) + " |")
-        for ratio in ("trainer_32_vs_bare_loop_32", "trainer_32_vs_keras_fit"):
-            lines.append(f"| ratio {ratio} | " + " | ".join(
-                _fmt(by_n[n][ratio]) for n in ns) + " |")
+        for ratio in ("trainer_32_vs_bare_loop_32", "trainer_32_vs_keras_fit",
+                      "trainer_32_xla_vs_bare_loop_32",
+                      "tfmulti_fit_32_vs_keras_fit",
+                      "tfmulti_fit_32_steady_vs_trainer_32"):
+            if any(ratio in by_n[n] for n in ns):
+                lines.append(f"| ratio {ratio} | " + " | ".join(
+                    _fmt(by_n[n].get(ratio, float("nan"))) for n in ns)
+                    + " |")
+        lines.append("| load average before / after | " + " | ".join(
+            f"{format_load(by_n[n].get('load_average', {}).get('before'))} / "
+            f"{format_load(by_n[n].get('load_average', {}).get('after'))}"
+            for n in ns) + " |")
     for model, by_method in results["replica_overhead"].items():
         lines += ["", f"## Replica overhead: {model} (examples/s at N / at "
                   "1, same global batch, same cores; ideal 1.0)", "",

@@ -7,8 +7,9 @@ One process, N simulated CPU replicas (MirroredStrategy), an MLP with two
 hidden layers of 64, global batch 64, Adam. Measures, in one run: a bare
 loop of 32 steps per `tf.function` over `strategy.run` (the floor), the
 Trainer with steps_per_loop=32 and =1, Keras `fit` with its defaults, and
-Keras `fit` through `tfmulti.keras.distributed` with steps_per_execution=32.
-Prints steps/s and the ratios the Trainer and the tfmulti fit are judged by.
+Keras `fit` through `tfmulti.keras.distributed` with steps_per_execution=32,
+and the Trainer with `jit_compile=True` (XLA per replica). Prints steps/s and
+the ratios the Trainer, XLA and the tfmulti fit are judged by.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ LOOP = 32
 RATIOS = (("trainer_32", "bare_loop_32", 0.95), ("trainer_32", "keras_fit", 5),
           ("tfmulti_fit_32_steady", "trainer_32", 0.9),
           ("tfmulti_fit_32_steady", "keras_fit_steady", 5),
-          ("tfmulti_fit_32", "keras_fit", 5))
+          ("tfmulti_fit_32", "keras_fit", 3),
+          ("trainer_32_xla", "bare_loop_32", 1.3))
 FEATURES, CLASSES = 64, 10
 # The CNN variant: `models.small_cnn` on small uint8 images, more compute per
 # step than the MLP, so a smaller share of each step is overhead.
@@ -31,7 +33,7 @@ IMAGE_SHAPE = (16, 16, 3)
 MODELS = ("mlp", "cnn")
 
 
-def _setup(replicas, batch, width, model):
+def _setup(replicas, batch, width, model, devices):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -39,8 +41,10 @@ def _setup(replicas, batch, width, model):
     import tfmulti
     from tfmulti import models
 
-    devices = tfmulti.simulate_devices(replicas)
-    strategy = tfmulti.create_strategy("mirrored", devices=devices)
+    if devices is None:
+        devices = tfmulti.simulate_devices(replicas)
+    strategy = tfmulti.create_strategy("mirrored",
+                                       devices=devices[:replicas])
     rng = np.random.default_rng(0)
     if model == "cnn":
         x = rng.integers(0, 256, size=(batch * 16, *IMAGE_SHAPE)).astype(
@@ -104,7 +108,8 @@ def _bare_loop(strategy, dataset, build, steps):
     return timed
 
 
-def _trainer(strategy, dataset, build, steps, steps_per_loop, *, name):
+def _trainer(strategy, dataset, build, steps, steps_per_loop, *, name,
+             jit_compile=False):
     import keras
 
     import tfmulti
@@ -112,7 +117,7 @@ def _trainer(strategy, dataset, build, steps, steps_per_loop, *, name):
     model, optimizer = build()
     trainer = tfmulti.Trainer(
         model, optimizer, strategy=strategy, steps_per_loop=steps_per_loop,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+        jit_compile=jit_compile, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                         reduction=None))
     data = strategy.experimental_distribute_dataset(dataset)
     trainer.fit(data, steps=LOOP, verbose=0)
@@ -165,18 +170,25 @@ def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
 
 
 def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
-        steps: int = 256, repeats: int = 5, model: str = "mlp") -> dict:
+        steps: int = 256, repeats: int = 5, model: str = "mlp",
+        xla: bool = True, devices=None) -> dict:
     """Measures every variant in this process; returns the figures.
 
-    Must run in a fresh process (it lays out `replicas` simulated devices).
+    Must run in a fresh process (it lays out `replicas` simulated devices),
+    unless `devices` (logical devices already laid out, at least
+    `replicas`) is given.
     The variants are timed in turn, `repeats` rounds; each figure is the
     median of its rounds and each ratio the median of per-round ratios, so
     a burst of load on a shared machine hits both sides of a ratio alike.
 
+    With `xla`, also the Trainer with `jit_compile=True`
+    ("trainer_32_xla"), judged against the UNCOMPILED bare loop.
+
     Returns:
       {"bare_loop_32", "trainer_32", "trainer_1", "keras_fit",
-      "keras_fit_steady", "tfmulti_fit_32", "tfmulti_fit_32_steady"} in
-      steps/s, the ratios "<a>_vs_<b>" of RATIOS, and the raw "rounds".
+      "keras_fit_steady", "tfmulti_fit_32", "tfmulti_fit_32_steady",
+      "trainer_32_xla"} in steps/s, the ratios "<a>_vs_<b>" of RATIOS, the
+      raw "rounds" and the "load_average" before and after.
     """
     import statistics
 
@@ -187,7 +199,9 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         # last call of LOOP steps: it needs two calls at least.
         raise ValueError(f"`steps` is {steps}; it should be a multiple of "
                          f"{LOOP} and at least {2 * LOOP}.")
-    strategy, dataset, build = _setup(replicas, batch, width, model)
+    load_before = os.getloadavg()
+    strategy, dataset, build = _setup(replicas, batch, width, model,
+                                      devices)
     variants = [
         _bare_loop(strategy, dataset, build, steps),
         _trainer(strategy, dataset, build, steps, LOOP, name="trainer_32"),
@@ -196,6 +210,9 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         _keras_fit(strategy, dataset, build, steps, name="tfmulti_fit_32",
                    tfmulti_fit=True),
     ]
+    if xla:
+        variants.append(_trainer(strategy, dataset, build, steps, LOOP,
+                                 name="trainer_32_xla", jit_compile=True))
     rounds = {}
     for index in range(repeats):
         # Alternate the order, so that no variant always follows Keras fit.
@@ -206,12 +223,34 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     # Ratios of figures timed back to back in the same round, then the
     # median: load from other processes shifts both sides of a pair alike.
     for name, other, _ in RATIOS:
-        figures[f"{name}_vs_{other}"] = statistics.median(
-            a / b for a, b in zip(rounds[name], rounds[other]))
+        if name in rounds and other in rounds:
+            figures[f"{name}_vs_{other}"] = statistics.median(
+                a / b for a, b in zip(rounds[name], rounds[other]))
     figures["rounds"] = rounds
     figures.update(replicas=replicas, batch=batch, width=width, steps=steps,
-                   repeats=repeats, model=model)
+                   repeats=repeats, model=model,
+                   load_average={"before": load_before,
+                                 "after": os.getloadavg()})
     return figures
+
+
+def run_layouts(*, replicas, models=MODELS, **kwargs) -> dict:
+    """`run` for every model and replica count in ONE process.
+
+    Cheaper than a process per layout (each costs seconds of start-up), but
+    N=1 then runs with max(replicas) logical devices laid out: for tests
+    and smoke runs, not for figures.
+
+    Returns:
+      {model: {str(replicas): figures}}.
+    """
+    import tfmulti
+
+    devices = tfmulti.simulate_devices(max(replicas))
+    return {model: {str(n): run(replicas=n, model=model, devices=devices,
+                                **kwargs.get(model, {}))
+                    for n in replicas}
+            for model in models}
 
 
 def main(argv=None):
@@ -219,23 +258,30 @@ def main(argv=None):
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--no_xla", action="store_true",
+                        help="skip the XLA-compiled Trainer variant")
     parser.add_argument("--json", action="store_true",
                         help="print the figures as one JSON line")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     figures = run(replicas=args.replicas, steps=args.steps,
-                  repeats=args.repeats)
+                  repeats=args.repeats, model=args.model,
+                  xla=not args.no_xla)
     if args.json:
         print(json.dumps(figures))
         return
-    print(f"{args.replicas} simulated CPU replicas, MLP 2x64, global batch "
-          f"64, Adam, median of {args.repeats} rounds of {args.steps} steps")
+    print(f"{args.replicas} simulated CPU replicas, {args.model}, global "
+          f"batch 64, Adam, median of {args.repeats} rounds of {args.steps} "
+          f"steps; load average {figures['load_average']}")
     for key, value in figures.items():
         if key in figures["rounds"]:
             print(f"  {key:<22} {value:8.1f} steps/s")
     for name, other, goal in RATIOS:
-        print(f"  {name} / {other}: {figures[f'{name}_vs_{other}']:.2f}x "
-              f"(goal >= {goal})")
+        ratio = figures.get(f"{name}_vs_{other}")
+        if ratio is not None:
+            print(f"  {name} / {other}: {ratio:.2f}x (goal >= {goal}) "
+                  f"{'met' if ratio >= goal else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,12 @@ class TfdsDatasetFn(sharding_lib.ShardedDatasetFn):
         return self.builder.as_dataset(
             split=self.split, as_supervised=True, decoders=self._decoders,
             shuffle_files=False,
-            read_config=tfds.ReadConfig(input_context=input_context))
+            # No TFDS auto-cache (datasets under 250 MiB): Keras reads a
+            # batch from a first iterator and drops it, which discards a
+            # partial cache with a warning; `distribute_dataset(cache=True)`
+            # caches when asked.
+            read_config=tfds.ReadConfig(input_context=input_context,
+                                        try_autocache=False))
 
 
 def tfds_dataset_fn(name: str, split: str, *, data_dir: str | None = None,

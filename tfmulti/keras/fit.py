@@ -28,12 +28,14 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfmulti import compat, peer_failure
+from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
+from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer as trainer_lib
+from tfmulti.training import xla as xla_lib
 
 # The instance attribute holding this module's state on a model.
 _STATE = "_tfmulti_fit"
@@ -46,6 +48,8 @@ def _check_accumulation(optimizer):
 
 
 def _check_model(model):
+    from tfmulti.pipeline import trainer_adapter
+    trainer_adapter.refuse_keras_fit(model)
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` should be a keras.Model, got "
                          f"{type(model).__name__}.")
@@ -80,8 +84,11 @@ def _check_model(model):
 class _State:
     """What `distributed` keeps on a model: options and the current chunk."""
 
-    def __init__(self, options):
+    def __init__(self, options, strategy, *, jit_compile=False):
         self.options = options
+        self.jit_compile = jit_compile
+        # The kept training iterator, across `fit` calls (fit_input.py).
+        self.input = fit_input_lib.FitInput(strategy)
         # Set by `_Chunk` at each batch begin: the first step of the chunk
         # Keras is about to run and the steps in the epoch (None: unknown).
         self.begin = 0
@@ -334,7 +341,8 @@ def _make_train_function(model, force=False):
     train_step = step_lib.TrainStep(
         strategy, model, optimizer, _compute_loss_fn(model),
         options=state.options,
-        communication_options=strategies.communication_options(strategy))
+        communication_options=strategies.communication_options(strategy),
+        jit_compile=state.jit_compile)
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = _metrics_function(model)
     extras_read = None
@@ -406,9 +414,14 @@ def _make_test_function(model, force=False):
             state.test_logs = logs
             custom_read = tf.function(
                 lambda: logs.read(model.get_metrics_result()))
-        done = run(iterator, tf.constant(int(model.steps_per_execution)))
-        if int(done) == 0:
-            raise StopIteration
+        steps = int(model.steps_per_execution)
+        with watchdog.calling(strategy):
+            done = run(iterator, tf.constant(steps))
+        if int(done) < steps:
+            # The end of the data: Keras's loop stops on this flag. A
+            # StopIteration would stop it too, but Keras 3.15 then warns
+            # "Your input ran out of data; interrupting training".
+            model.stop_evaluating = True
         if custom_read is not None:
             return custom_read()
         return results()
@@ -417,10 +430,46 @@ def _make_test_function(model, force=False):
     return test_function
 
 
+def _spec_batch(element_spec):
+    """One replica's batch spec: shapes and dtypes, no data."""
+    return tf.nest.map_structure(
+        lambda spec: getattr(spec, "_value_specs", (spec,))[0], element_spec)
+
+
+def _maybe_symbolic_build(model, iterator=None, data_batch=None):
+    """Keras's symbolic build from the data's spec instead of a real batch.
+
+    Keras 3.15's TF trainer reads one batch from a fresh iterator of the
+    data (all-reducing it eagerly across workers), builds from it and drops
+    the iterator, at every `fit` and `evaluate`: the dropped iterator's
+    prefetching is cancelled ("Local rendezvous is aborting with status:
+    CANCELLED"), a cache being filled is discarded ("did not fully read the
+    dataset being cached"), and the eager reduction warns that the strategy
+    is used eagerly. Only shapes and dtypes are needed, and the distributed
+    dataset has them.
+    """
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if data_batch is None and dataset is not None:
+        data_batch = _spec_batch(dataset.element_spec)
+    with model.distribute_strategy.scope():
+        model._symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
 def _fit(model, *args, **kwargs):
     bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
+    if "shuffle" not in bound.arguments and isinstance(
+            bound.arguments.get("x"), (tf.data.Dataset,
+                                       tf.distribute.DistributedDataset)):
+        # Keras ignores it for datasets, and warns when it is True (its
+        # default).
+        bound.arguments["shuffle"] = False
     callbacks = bound.arguments.get("callbacks")
-    chunk = _Chunk(getattr(model, _STATE))
+    state = getattr(model, _STATE)
+    x = bound.arguments.get("x")
+    if state.input.reusable(x,
+                            class_weight=bound.arguments.get("class_weight")):
+        bound.arguments["x"] = state.input.dataset_for(x)
+    chunk = _Chunk(state)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(chunk)
     else:
@@ -429,6 +478,16 @@ def _fit(model, *args, **kwargs):
     # Trainer.
     with peer_failure.translated(model.distribute_strategy):
         return type(model).fit(*bound.args, **bound.kwargs)
+
+
+def _maybe_symbolic_build(model, iterator=None, data_batch=None):
+    # Keras reads a batch (from a new multi-device iterator) on every `fit`
+    # and `evaluate` call, even when there is nothing left to build.
+    if not fit_input_lib.needs_symbolic_build(model):
+        return None
+    with getattr(model, _STATE).input.probing():
+        return type(model)._maybe_symbolic_build(
+            model, iterator=iterator, data_batch=data_batch)
 
 
 def batches_per_step(model) -> int:
@@ -440,7 +499,8 @@ def batches_per_step(model) -> int:
 
 def distributed(model, *, grad_accum_steps: int = 1,
                 clip_global_norm: float | None = None,
-                allreduce_dtype: str | None = None):
+                allreduce_dtype: str | None = None,
+                jit_compile: bool = False):
     """Makes `model.fit` train with tfmulti's step under the model's strategy.
 
     Call after `model.compile(...)` under `strategy.scope()`; then call
@@ -458,12 +518,23 @@ def distributed(model, *, grad_accum_steps: int = 1,
     With `grad_accum_steps` K, one step of `fit` (and of `steps_per_epoch`)
     is one update over K batches.
 
+    The train function is traced once and kept across `fit` calls. Given
+    the same INFINITE dataset object again, `fit` continues from the same
+    distributed iterator (no new one, about 0.2-1 s each under a strategy):
+    `fit(ds, epochs=1)` twice trains like `fit(ds, epochs=2)`, where plain
+    Keras would restart `ds`. Pass a new dataset object to start over;
+    finite datasets restart every epoch, as in Keras (`fit_input.py`).
+
     Args:
       model: a Keras 3 model built and compiled under a strategy's scope
         (`tfmulti.create_strategy`: one_device, mirrored or multi_worker).
       grad_accum_steps: K batches per optimizer update, one all-reduce.
       clip_global_norm: clip the REDUCED gradient to this global norm.
       allreduce_dtype: None, "float16" or "bfloat16": gradients on the wire.
+      jit_compile: compile each replica's forward and backward with XLA
+        (`tfmulti.training.xla`; the all-reduce stays outside). Independent
+        of Keras's `compile(jit_compile=...)`, which Keras turns off under a
+        strategy.
 
     Returns:
       `model`.
@@ -477,13 +548,17 @@ def distributed(model, *, grad_accum_steps: int = 1,
     options = step_lib.GradientOptions(
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype)
-    setattr(model, _STATE, _State(options))
+    setattr(model, _STATE, _State(
+        options, model.distribute_strategy,
+        jit_compile=xla_lib.check_jit_compile(jit_compile)))
     # Instance attributes shadow the class's methods for this model only;
     # `compile` resets the functions to None, so they are made lazily.
     model.make_train_function = functools.partial(_make_train_function,
                                                   model)
     model.make_test_function = functools.partial(_make_test_function, model)
     model.fit = functools.partial(_fit, model)
+    model._maybe_symbolic_build = functools.partial(_maybe_symbolic_build,
+                                                    model)
     model.train_function = None
     model.test_function = None
     return model

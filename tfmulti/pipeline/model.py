@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfmulti.pipeline import checkpoint as checkpoint_lib
 from tfmulti.pipeline import placement
 from tfmulti.pipeline import reduction
 from tfmulti.pipeline import schedule as schedule_lib
@@ -73,6 +74,11 @@ class PipelineOptions:
                     f"stages but `num_stages`={self.num_stages}; give "
                     f"{self.num_stages - 1} layer names, or cuts=None to "
                     "balance by parameter count.")
+
+
+# Set on a model that a PipelinedModel trains, so that entry points which
+# would run it whole (Keras `fit`) refuse it by name.
+PIPELINED_MARK = "_tfmulti_pipelined"
 
 
 def _check_batch_norm(model, options: PipelineOptions) -> None:
@@ -170,6 +176,7 @@ class PipelinedModel:
         self.cuts = tuple(cut_names)
         self.stages = split.split_model(model, self.cuts,
                                         carry_skips=opts.carry_skips)
+        setattr(model, PIPELINED_MARK, True)
         for s, stage in enumerate(self.stages):
             placement.move_variables(stage.model.variables,
                                      self.devices[0][s])
@@ -282,7 +289,7 @@ class PipelinedModel:
         micro = self._check_batch(int(xs[0].shape[0]))
         if micro not in self._steps:
             self._steps[micro] = tf.function(
-                lambda xs, y: self._step(xs, y, micro=micro))
+                lambda xs, y: self._step(xs, y, micro=micro)[0])
         return self._steps[micro](xs, tf.convert_to_tensor(y))
 
     def _step(self, xs, y, *, micro: int):
@@ -291,6 +298,7 @@ class PipelinedModel:
         global_batch = micro * M * D
         order = schedule_lib.emission_order(opts.schedule, S, M)
         group_losses, stage_grads = [], [[None] * S for _ in range(D)]
+        predictions = {}  # (d, m) -> the model's output on that slice
         new_non_trainable = [[None] * S for _ in range(D)]
         for d in range(D):
             acts = {}      # (s, m) -> list of tensors entering stage s
@@ -314,7 +322,8 @@ class PipelinedModel:
                         outputs = self._forward_action(
                             d, s, m, acts, tapes, new_non_trainable,
                             losses, y=y, micro=micro,
-                            global_batch=global_batch)
+                            global_batch=global_batch,
+                            predictions=predictions)
                     else:
                         outputs = self._backward_action(d, s, m, tapes,
                                                         upstream, grads)
@@ -342,11 +351,17 @@ class PipelinedModel:
                     with tf.device(self.devices[d][s]):
                         self.optimizers[d][s].apply_gradients(zip(
                             stage_grads[d][s], self._trainable[d][s]))
-        return tf.add_n(group_losses)
+        # In batch order; unused (and pruned by tf.function) without
+        # metrics.
+        with tf.device(self.devices[0][S - 1]):
+            outputs = tf.concat([predictions[(d, m)] for d in range(D)
+                                 for m in range(M)], 0)
+        return tf.add_n(group_losses), outputs
 
     def _forward_action(self, d, s, m, acts, tapes, new_non_trainable,
-                        losses, *, y, micro, global_batch):
-        """F(s, m) in group d; appends its share of the step's loss."""
+                        losses, *, y, micro, global_batch, predictions):
+        """F(s, m) in group d; appends its share of the step's loss (and
+        on the last stage, puts the model's output in `predictions`)."""
         opts = self.options
         stage = self.stages[s]
         inputs = acts.pop((s, m))
@@ -382,6 +397,7 @@ class PipelinedModel:
         if s < opts.num_stages - 1:
             acts[(s + 1, m)] = outputs
             return outputs
+        predictions[(d, m)] = outputs[0]
         return [targets[0]]
 
     def _backward_action(self, d, s, m, tapes, upstream, grads):
@@ -426,21 +442,6 @@ class PipelinedModel:
                  for i in range(0, n, batch_size)]
         return tf.concat(parts, 0).numpy()
 
-    def fit(self, dataset, *, steps: int | None = None) -> list[float]:
-        """Trains on (x, y) global batches of `dataset`; returns the losses.
-
-        Args:
-          dataset: an iterable of (x, y) global batches (a batched
-            `tf.data.Dataset` with drop_remainder=True, say).
-          steps: stop after this many steps (default: the whole dataset).
-        """
-        losses = []
-        for x, y in dataset:
-            if steps is not None and len(losses) >= steps:
-                break
-            losses.append(float(self.train_step(x, y)))
-        return losses
-
     def sync_groups(self) -> None:
         """Copies group 0's variables (the model's) into groups 1..D-1."""
         for d in range(1, self.options.data_parallel):
@@ -448,6 +449,49 @@ class PipelinedModel:
                 for src, dst in zip(group[0], group[d]):
                     for a, b in zip(src, dst):
                         b.assign(a.value)
+
+    def train_step_fn(self, global_batch_size: int):
+        """`step(xs, y) -> (loss, outputs)` for this global batch, to call
+        inside a `tf.function`: `xs` the flat model inputs, `outputs` the
+        model's output on the whole batch (in batch order)."""
+        micro = self._check_batch(global_batch_size)
+        return lambda xs, y: self._step(xs, y, micro=micro)
+
+    def forward_fn(self):
+        """`forward(x)`: the model's output computed stage by stage on group
+        0, to call inside a `tf.function`."""
+        return lambda x: self._forward_pass(
+            [tf.convert_to_tensor(t) for t in keras.tree.flatten(x)])
+
+    def checkpoint_optimizer(self):
+        """The trackable that saves the optimizer state, and its layout.
+
+        Returns:
+          `(view, layout)` from `checkpoint.optimizer_view`: group 0's stage
+          optimizers as one unsplit Keras optimizer (layout "unsplit"), or
+          per stage ("per_stage") when their slots do not map.
+        """
+        return checkpoint_lib.optimizer_view(
+            self.model, self._trainable[0], self.optimizers[0])
+
+    def sync_after_restore(self) -> None:
+        """After restoring group 0 (the model and the checkpointed
+        optimizer state): every stage's step counter and learning rate from
+        the first stage that has variables, and groups 1..D-1 from group 0.
+        """
+        first = next((o for o, v in zip(self.optimizers[0],
+                                        self._trainable[0]) if v),
+                     self.optimizers[0][0])
+        scalars = checkpoint_lib._scalars(first)
+        for opt in self.optimizers[0]:
+            for a, b in zip(scalars, checkpoint_lib._scalars(opt)):
+                if a is not b:
+                    b.assign(a.value)
+        for d in range(1, self.options.data_parallel):
+            for source, target in zip(self.optimizers[0],
+                                      self.optimizers[d]):
+                checkpoint_lib.copy_optimizer_state(source, target)
+        self.sync_groups()
 
     def save_weights(self, path: str) -> None:
         """Saves the unsplit model's weights (`model.save_weights`)."""

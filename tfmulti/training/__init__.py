@@ -12,6 +12,7 @@ from tfmulti.training.preemption import PreemptionWatcher
 from tfmulti.training.step import GradientOptions, TrainStep
 from tfmulti.training.summaries import ScalarWriter
 from tfmulti.training.trainer import Trainer
+from tfmulti.training.xla import XlaCompileError
 
 __all__ = [
     "Action",
@@ -27,6 +28,7 @@ __all__ = [
     "ScalarWriter",
     "TrainStep",
     "Trainer",
+    "XlaCompileError",
     "all_reduce_sum",
     "clip_by_global_norm",
     "create_train_loop",

@@ -33,7 +33,7 @@ import tempfile
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import compat
+from tfmulti import compat, watchdog
 from tfmulti.training import model_dir_lock, numerics
 
 FORMAT = 1
@@ -379,7 +379,8 @@ def check_workers_agree(strategy, position: Position | None) -> None:
         return strategy.run(lambda: tf.distribute.get_replica_context(
         ).all_reduce(tf.distribute.ReduceOp.SUM, local))
 
-    sums = strategy.experimental_local_results(all_sums())[0].numpy()
+    with watchdog.calling(strategy):
+        sums = strategy.experimental_local_results(all_sums())[0].numpy()
     n, firsts, squares = sums[0], sums[1:4], sums[4:]
     if any(n * s != f * f for f, s in zip(firsts, squares)):
         raise RuntimeError(

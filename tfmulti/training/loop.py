@@ -12,6 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti import watchdog
+from tfmulti.training import xla as xla_lib
 
 
 def _check_num_steps(num_steps):
@@ -32,7 +33,12 @@ def sum_over_replicas(strategy, local):
         lambda ctx: tf.identity(local) if (
             ctx.replica_id_in_sync_group % num_local == 0)
         else tf.zeros_like(local))
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+    if not tf.executing_eagerly():  # timed by the call that runs the graph
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+    # Eager: an agreement between loops (preemption, schedules) waits on the
+    # peers like a loop does.
+    with watchdog.calling(strategy):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
 
 
 def create_train_loop(step_fn, *, strategy, metrics=()):
@@ -76,11 +82,11 @@ def create_train_loop(step_fn, *, strategy, metrics=()):
 
     def train(iterator, num_steps):
         _check_num_steps(num_steps)
-        # Each completed loop is progress for the stuck-peer watchdog.
-        watchdog.beat(strategy)
-        result = loop(iterator, num_steps)
-        watchdog.beat(strategy)
-        return result
+        # A loop waiting on a stuck peer fails after `stall_timeout_seconds`;
+        # an op XLA cannot compile fails here, at the first run, naming it.
+        with watchdog.calling(strategy), xla_lib.named_compile_errors(
+                getattr(step_fn, "model", None)):
+            return loop(iterator, num_steps)
 
     train.traced = loop
     return train

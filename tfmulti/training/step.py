@@ -16,6 +16,7 @@ import inspect
 import tensorflow as tf
 
 from tfmulti.training import gradients as gradients_lib
+from tfmulti.training import xla as xla_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +119,13 @@ class TrainStep:
       metrics: Keras metrics updated with `(y, y_pred, sample_weight)`.
       communication_options: `tf.distribute.experimental.CommunicationOptions`
         for the gradient all-reduce.
+      jit_compile: compile each replica's forward and backward with XLA
+        (the all-reduce and the update stay outside; see `xla.py`).
     """
 
     def __init__(self, strategy, model, optimizer, compute_loss, *,
                  options: GradientOptions = GradientOptions(), metrics=(),
-                 communication_options=None):
+                 communication_options=None, jit_compile: bool = False):
         if not gradients_lib.reduces_gradients(optimizer):
             raise ValueError(
                 "`optimizer` still sums gradients across replicas itself, so "
@@ -139,6 +142,10 @@ class TrainStep:
         self._metrics = tuple(metrics)
         self._communication_options = communication_options
         self._variables = list(model.trainable_variables)
+        self.jit_compile = bool(jit_compile)
+        self._replica_gradients = (
+            xla_lib.PerReplicaCompiled(self._local_gradients)
+            if self.jit_compile else self._local_gradients)
         self._accumulators = []
         if options.grad_accum_steps > 1:
             # Per-replica (sync-on-read) sums: each replica accumulates its
@@ -163,9 +170,20 @@ class TrainStep:
             tf.distribute.ReduceOp.SUM, local,
             options=self._communication_options)
 
-    def _local_gradients(self, batch):
+    @property
+    def model(self):
+        return self._model
+
+    def _shares(self, batch):
+        # Computed outside `_replica_gradients`: an XLA-compiled replica
+        # function cannot hold the all-reduce.
+        if not self._takes_global_batch:
+            return None
+        return self._global_batch(unpack_batch(batch)[0])
+
+    def _local_gradients(self, batch, global_batch=None):
         x, y, sample_weight = unpack_batch(batch)
-        kwargs = ({"global_batch": self._global_batch(x)}
+        kwargs = ({"global_batch": global_batch}
                   if self._takes_global_batch else {})
         with tf.GradientTape() as tape:
             loss, y_pred = self._compute_loss(x, y, sample_weight, **kwargs)
@@ -179,14 +197,14 @@ class TrainStep:
         return loss, grads
 
     def _accumulate(self, batch, loss_so_far):
-        loss, grads = self._local_gradients(batch)
+        loss, grads = self._replica_gradients(batch, self._shares(batch))
         for acc, g in zip(self._accumulators, grads):
             if g is not None:
                 acc.assign_add(tf.convert_to_tensor(g))
         return loss + loss_so_far
 
     def _update(self, batch, loss_so_far):
-        loss, grads = self._local_gradients(batch)
+        loss, grads = self._replica_gradients(batch, self._shares(batch))
         if self._accumulators:
             grads = [None if g is None else tf.convert_to_tensor(g) +
                      acc.read_value()

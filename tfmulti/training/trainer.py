@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
-from tfmulti import compat, peer_failure, strategies
+from tfmulti import compat, peer_failure, strategies, watchdog
 from tfmulti.training import actions as actions_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
@@ -26,6 +26,7 @@ from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
+from tfmulti.training import xla as xla_lib
 
 MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
 
@@ -130,7 +131,10 @@ class Trainer:
     """Trains a Keras 3 model with an explicit, correct distributed step.
 
     Args:
-      model: a Keras model whose variables were created under `strategy`.
+      model: a Keras model whose variables were created under `strategy`;
+        or a `tfmulti.pipeline.PipelinedModel` (then pass no optimizer, loss
+        or strategy: the pipeline has its own; see `tfmulti/pipeline/
+        trainer_adapter.py`).
       optimizer: a Keras optimizer created under `strategy`; the Trainer
         builds it and replaces its own cross-replica reduction.
       loss: `loss(y_true, y_pred)` returning PER-EXAMPLE losses (a Keras
@@ -150,13 +154,31 @@ class Trainer:
       on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
         checkpoint of the weights) or "skip" (skip that update on every
         replica; see `numerics.skipping_optimizer`).
+      jit_compile: compile each replica's forward and backward with XLA
+        (`tfmulti.training.xla`); an op XLA cannot compile raises
+        `XlaCompileError` naming its layer at the first step.
     """
 
-    def __init__(self, model, optimizer, *, loss, strategy=None, metrics=(),
-                 grad_accum_steps=1, clip_global_norm=None,
+    def __init__(self, model, optimizer=None, *, loss=None, strategy=None,
+                 metrics=(), grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
-                 on_nonfinite="raise"):
+                 on_nonfinite="raise", jit_compile=False):
+        from tfmulti.pipeline import trainer_adapter
+        # A PipelinedModel brings its own step; the rest of fit is shared.
+        self._pipeline = trainer_adapter.TrainerAdapter(
+            model, optimizer=optimizer, loss=loss, strategy=strategy,
+            grad_accum_steps=grad_accum_steps,
+            clip_global_norm=clip_global_norm,
+            allreduce_dtype=allreduce_dtype, mixed_precision=mixed_precision,
+            on_nonfinite=on_nonfinite, jit_compile=jit_compile,
+        ) if trainer_adapter.is_pipelined(model) else None
+        if self._pipeline is not None:
+            model, optimizer = self._pipeline.model, self._pipeline.optimizer
+            loss = self._pipeline.pipe.loss
+        if optimizer is None:
+            raise ValueError("`optimizer` is required: a Keras optimizer "
+                             "created under the strategy's scope.")
         if not callable(loss):
             raise ValueError(
                 f"`loss` should be a callable loss(y_true, y_pred) returning "
@@ -169,12 +191,14 @@ class Trainer:
             "steps_per_loop", steps_per_loop,
             "It is how many steps run inside one tf.function call.")
         self.strategy = _resolve_strategy(strategy, model)
-        check_created_in_scope(self.strategy, model, optimizer)
+        if self._pipeline is None:
+            check_created_in_scope(self.strategy, model, optimizer)
         self.model = model
         self._loss = loss
         self.model_dir = model_dir
         self.mixed_precision = self._check_precision(mixed_precision)
         self._on_nonfinite = numerics.check_on_nonfinite(on_nonfinite)
+        self._jit_compile = xla_lib.check_jit_compile(jit_compile)
         with self.strategy.scope():
             optimizer = numerics.skipping_optimizer(optimizer, on_nonfinite)
             if (self.mixed_precision == "mixed_float16" and not isinstance(
@@ -241,13 +265,16 @@ class Trainer:
         return compute_loss
 
     def _train_loop(self, global_batch_size):
+        if global_batch_size not in self._loops and self._pipeline:
+            self._loops[global_batch_size] = self._pipeline.train_loop(
+                global_batch_size, metrics=self.metrics)
         if global_batch_size not in self._loops:
             train_step = step_lib.TrainStep(
                 self.strategy, self.model, self.optimizer,
                 self._compute_loss_fn(global_batch_size),
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
-                    self.strategy))
+                    self.strategy), jit_compile=self._jit_compile)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy, metrics=self.metrics)
         return self._loops[global_batch_size]
@@ -308,7 +335,8 @@ class Trainer:
 
     def _checkpointer(self, iterator):
         """A Checkpointer, and whether it saves the iterator's position."""
-        trackables = dict(model=self.model, optimizer=self.optimizer)
+        trackables = dict(model=self.model, optimizer=self.optimizer if (
+            self._pipeline is None) else self._pipeline.optimizer_view)
         if compat.is_trackable(iterator):
             trackables["iterator"] = iterator
         return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
@@ -335,6 +363,8 @@ class Trainer:
             raise
         if position is None:
             return checkpointer
+        if self._pipeline is not None:
+            self._pipeline.after_restore()
         self._steps_done = position.step
         now = self._position(position.step, batch)
         if position.global_batch_size not in (None, batch):
@@ -524,7 +554,8 @@ class Trainer:
 
     def _eval_step(self, batch):
         x, y, sample_weight = step_lib.unpack_batch(batch)
-        y_pred = self.model(x, training=False)
+        y_pred = self.model(x, training=False) if self._pipeline is None else (
+            self._pipeline.forward(x))
         per_example = tf.convert_to_tensor(self._loss(y, _float32(y_pred)))
         _check_per_example(per_example)
         self._eval_loss.update_state(per_example, sample_weight=sample_weight)
@@ -558,7 +589,8 @@ class Trainer:
         # The iterator is made here, not inside the tf.function: creating a
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
-        self._eval_fn(iter(eval_data))
+        with watchdog.calling(self.strategy):
+            self._eval_fn(iter(eval_data))
         return {m.name: float(m.result())
                 for m in (self._eval_loss, *self.metrics)}
 

@@ -1,0 +1,137 @@
+"""One distributed iterator per training dataset, kept across `fit` calls.
+
+Keras 3's `fit` makes two multi-device iterators per call (one to read a
+batch for `_maybe_symbolic_build`, one for the epochs); each costs 0.2-1 s
+under a strategy (a MultiDeviceIterator with a prefetching function per
+device), which makes short `fit` calls as slow as Keras's default loop.
+
+For a model made by `tfmulti.keras.distributed`, `FitInput` keeps the
+distributed dataset and its iterator of the last INFINITE training dataset
+`fit` was given, and hands Keras that same iterator while `fit` is called
+with the same dataset object: `fit(ds, epochs=1)` twice trains on the same
+batches as `fit(ds, epochs=2)` (as the Trainer does with its iterator).
+Finite datasets are left to Keras: each epoch is one pass, from a fresh
+iterator. The symbolic build's probe batch is read only while something is
+still unbuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+# Dynamic subclasses of each distributed dataset class, by base class.
+_REUSING_CLASSES = {}
+
+
+def _reusing_class(base):
+    """A subclass of `base` (a TF distributed dataset class) whose instances
+    delegate every attribute to the wrapped dataset but `__iter__`.
+
+    A subclass, not a plain wrapper: Keras recognises distributed datasets
+    by their TensorFlow classes (`isinstance` and the class names in the
+    MRO), and then uses them without distributing again.
+    """
+    if base not in _REUSING_CLASSES:
+        def __init__(self, dataset, fit_input):
+            # Base __init__ not called: every attribute comes from `dataset`.
+            self.__dict__["_tfmulti_dataset"] = dataset
+            self.__dict__["_tfmulti_input"] = fit_input
+
+        def __getattr__(self, name):
+            return getattr(self.__dict__["_tfmulti_dataset"], name)
+
+        def __iter__(self):
+            return self.__dict__["_tfmulti_input"].iterator()
+
+        _REUSING_CLASSES[base] = type(
+            f"Reusing{base.__name__}", (base,),
+            {"__init__": __init__, "__getattr__": __getattr__,
+             "__iter__": __iter__, "__module__": __name__})
+    return _REUSING_CLASSES[base]
+
+
+def _is_infinite(dataset) -> bool:
+    if isinstance(dataset, tf.data.Dataset):
+        cardinality = dataset.cardinality()
+    else:
+        cardinality = getattr(dataset, "cardinality", None)
+        if cardinality is None:
+            return False
+    return int(cardinality) == int(tf.data.INFINITE_CARDINALITY)
+
+
+class FitInput:
+    """The training input of one model's `fit` calls.
+
+    Attributes:
+      iterators_made: distributed iterators this object has made, probes of
+        the symbolic build included (the count tests and benchmarks read).
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._source = None
+        self._reusing = None
+        self._iterator = None
+        self._probing = False
+        self.iterators_made = 0
+
+    def reusable(self, x, *, class_weight=None) -> bool:
+        """Whether `fit(x, ...)` can continue from a kept iterator."""
+        if class_weight is not None:
+            # Keras maps the dataset with the weights: a new dataset.
+            return False
+        if not isinstance(x, (tf.data.Dataset,
+                              tf.distribute.DistributedDataset)):
+            return False
+        return _is_infinite(x)
+
+    def dataset_for(self, x):
+        """What to give Keras's `fit` in place of `x` (reusable, see
+        `reusable`): a distributed dataset whose iterator is made once."""
+        if x is not self._source:
+            distributed = x
+            if isinstance(x, tf.data.Dataset):
+                distributed = self._strategy.experimental_distribute_dataset(
+                    x)
+            self._source = x
+            self._iterator = None
+            self._reusing = _reusing_class(type(distributed))(distributed,
+                                                              self)
+        return self._reusing
+
+    def iterator(self):
+        """The kept iterator (made on first use); a throwaway one while
+        Keras probes a batch for its symbolic build."""
+        dataset = self._reusing.__dict__["_tfmulti_dataset"]
+        if self._probing:
+            self.iterators_made += 1
+            return iter(dataset)
+        if self._iterator is None:
+            self.iterators_made += 1
+            self._iterator = iter(dataset)
+        return self._iterator
+
+    @contextlib.contextmanager
+    def probing(self):
+        """Iterators made inside are throwaway ones (Keras reads one batch
+        from them and drops them)."""
+        self._probing = True
+        try:
+            yield
+        finally:
+            self._probing = False
+
+
+def needs_symbolic_build(model) -> bool:
+    """Whether Keras's `_symbolic_build` would build anything (the same
+    conditions it checks); if not, its probe batch is wasted work."""
+    # pylint: disable=protected-access
+    return (not all(layer.built for layer in model._flatten_layers())
+            or (model._compile_metrics is not None
+                and not model._compile_metrics.built)
+            or (model._compile_loss is not None
+                and not model._compile_loss.built)
+            or (model.optimizer is not None and not model.optimizer.built))
