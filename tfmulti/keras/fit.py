@@ -436,25 +436,6 @@ def _spec_batch(element_spec):
         lambda spec: getattr(spec, "_value_specs", (spec,))[0], element_spec)
 
 
-def _maybe_symbolic_build(model, iterator=None, data_batch=None):
-    """Keras's symbolic build from the data's spec instead of a real batch.
-
-    Keras 3.15's TF trainer reads one batch from a fresh iterator of the
-    data (all-reducing it eagerly across workers), builds from it and drops
-    the iterator, at every `fit` and `evaluate`: the dropped iterator's
-    prefetching is cancelled ("Local rendezvous is aborting with status:
-    CANCELLED"), a cache being filled is discarded ("did not fully read the
-    dataset being cached"), and the eager reduction warns that the strategy
-    is used eagerly. Only shapes and dtypes are needed, and the distributed
-    dataset has them.
-    """
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    if data_batch is None and dataset is not None:
-        data_batch = _spec_batch(dataset.element_spec)
-    with model.distribute_strategy.scope():
-        model._symbolic_build(iterator=iterator, data_batch=data_batch)
-
-
 def _fit(model, *args, **kwargs):
     bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
     if "shuffle" not in bound.arguments and isinstance(
@@ -481,10 +462,26 @@ def _fit(model, *args, **kwargs):
 
 
 def _maybe_symbolic_build(model, iterator=None, data_batch=None):
-    # Keras reads a batch (from a new multi-device iterator) on every `fit`
-    # and `evaluate` call, even when there is nothing left to build.
+    """Keras's symbolic build, only when something is left to build, and
+    from the data's spec instead of a real batch.
+
+    Keras 3.15's TF trainer reads one batch from a fresh iterator of the
+    data (all-reducing it eagerly across workers), builds from it and drops
+    the iterator, at every `fit` and `evaluate`, even when everything is
+    built: each such iterator costs 0.2-1 s, its prefetching is cancelled
+    ("Local rendezvous is aborting with status: CANCELLED"), a cache being
+    filled is discarded ("did not fully read the dataset being cached"), and
+    the eager reduction warns that the strategy is used eagerly. Only shapes
+    and dtypes are needed, and the distributed dataset has them.
+    """
     if not fit_input_lib.needs_symbolic_build(model):
         return None
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if data_batch is None and dataset is not None:
+        with model.distribute_strategy.scope():
+            return model._symbolic_build(
+                iterator=iterator,
+                data_batch=_spec_batch(dataset.element_spec))
     with getattr(model, _STATE).input.probing():
         return type(model)._maybe_symbolic_build(
             model, iterator=iterator, data_batch=data_batch)
