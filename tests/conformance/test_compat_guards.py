@@ -6,7 +6,7 @@ import pytest
 
 from tests.conformance.conftest import error_of
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.mark.slow

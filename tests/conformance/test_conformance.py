@@ -2,10 +2,12 @@
 (or warns) the exact text that names the fix.
 
 One subprocess with 4 simulated CPU devices runs every local case
-(`cases_local.py`) on one device and on 3 and 4 mirrored replicas; two
-worker processes and one golden process run the multi-worker reports
-(`cases_multi_worker.py`). Each row of the README's conformance table is
-one test here.
+(`cases_local.py`) on one device and on 4 mirrored replicas (3 where the
+case is an uneven split), and the one-device golden run of the
+multi-worker reports; two worker processes run those reports
+(`cases_multi_worker.py`). Each row of docs/conformance.md is one test here.
+Every golden run must have moved its weights (`moved`), so a comparison of
+untrained models cannot pass.
 """
 
 import json
@@ -17,11 +19,17 @@ from tests.conformance.conftest import error_of, ok
 
 TOLERANCE = 1e-5
 # The one local subprocess runs every case: minutes on 2 shared cores.
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = pytest.mark.timeout(900)
 
 
 def assert_close(run, golden, *, tol=TOLERANCE, keys=("weights", "history",
-                                                      "eval", "logs")):
+                                                      "eval", "logs"),
+                 check_trained=True):
+    if check_trained and "weights" in keys and "weights" in golden:
+        # Ten times the tolerance at least, so a match is not two untrained
+        # models.
+        assert golden["moved"] is not None and golden["moved"] > 10 * tol, (
+            "the golden run did not train", golden["moved"])
     for key in keys:
         if key not in golden:
             continue
@@ -56,8 +64,10 @@ UNEVEN_WARNING = ("tfmulti: Keras `fit` weights each of the {n} replicas' "
 def test_tf_custom_training_tutorial(local):
     cases = local["tf_custom_training_tutorial"]
     golden = ok(cases["one"])
-    assert golden["logs"][-1][0] < golden["logs"][0][0]  # it trained
-    assert_close(ok(cases["m4"]), golden)
+    # It trained (the tutorial's model builds in its first step, so its
+    # initial weights are not kept: the loss fell instead).
+    assert golden["logs"][-1][0] < golden["logs"][0][0]
+    assert_close(ok(cases["m4"]), golden, check_trained=False)
 
 
 @pytest.mark.slow
@@ -113,10 +123,9 @@ def test_uneven_last_batch_plain_fit_warns_once(local):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["m3", "m4"])
-def test_uneven_last_batch_trainer_equals_one_device(local, layout):
+def test_uneven_last_batch_trainer_equals_one_device(local):
     cases = local["trainer_uneven"]
-    assert_close(ok(cases[layout]), ok(cases["one"]))
+    assert_close(ok(cases["m4"]), ok(cases["one"]))
 
 
 @pytest.mark.slow
@@ -132,18 +141,19 @@ def test_indivisible_global_batch(local):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["m3", "m4"])
 @pytest.mark.parametrize("model, key, names", [
     # A custom test_step's own logs are what evaluate returns.
     ("OwnTestStep", "eval", {"own_loss", "scaled"}),
     # Extra keys of a compute_metrics override reach the history.
     ("ExtraMetrics", "history", {"accuracy", "loss", "mean_logit"}),
 ])
-def test_custom_logs_are_honoured(local, layout, model, key, names):
+def test_custom_logs_are_honoured(local, model, key, names):
+    # On 3 replicas (batch 32 split 11/11/10): each replica's logs count by
+    # its share.
     cases = local["keras_overrides"]
     golden = ok(cases["one"][model])
     assert set(golden[key]) == names
-    assert_close(ok(cases[layout][model]), golden)
+    assert_close(ok(cases["m3"][model]), golden)
 
 
 @pytest.mark.slow
@@ -167,6 +177,24 @@ def test_instance_train_step_is_refused(local):
         "/ `compute_metrics` instead, or use tfmulti.Trainer.")
 
 
+@pytest.mark.slow
+def test_batchnorm_moving_statistics_agree_across_replicas(local):
+    cases = local["batchnorm_statistics"]
+    plain = ok(cases["plain"])
+    # Keras alone: each replica keeps its own moving statistics (the guard:
+    # fails once Keras synchronizes them, then drop the averaging).
+    assert plain["replica_spread"] > 1e-3
+    run = ok(cases["distributed"])
+    assert run["moved"] > 1e-3
+    assert run["replica_spread"] < 1e-6
+    # What evaluation during training reports is what the saved weights
+    # give on one device.
+    for name in run["eval"]:
+        np.testing.assert_allclose(run["eval"][name],
+                                   run["eval_saved"][name],
+                                   atol=TOLERANCE, err_msg=name)
+
+
 # -- crashes -----------------------------------------------------------------
 
 @pytest.mark.slow
@@ -185,11 +213,10 @@ def test_k21069_embedding_sparse_gradients(local, how):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["m3", "m4"])
 @pytest.mark.parametrize("how", ["plain", "distributed"])
-def test_k19891_results_do_not_change_with_replica_count(local, layout, how):
+def test_k19891_results_do_not_change_with_replica_count(local, how):
     cases = local["k19891_replica_count"]
-    golden, run = ok(cases["one"]["plain"]), ok(cases[layout][how])
+    golden, run = ok(cases["one"]["plain"]), ok(cases["m4"][how])
     for key in ("ground_truth", "evaluate", "post_fit"):
         np.testing.assert_allclose(run[key], golden[key], atol=TOLERANCE,
                                    err_msg=key)
@@ -227,11 +254,10 @@ def test_distributed_evaluate_on_exact_once_data(local):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["m3", "m4"])
-def test_tf72686_optimizer_built_by_first_apply_gradients(local, layout):
+def test_tf72686_optimizer_built_by_first_apply_gradients(local):
     cases = local["tf72686_lazy_optimizer"]
     golden = ok(cases["one"])
-    run = ok(cases[layout])
+    run = ok(cases["m4"])
     np.testing.assert_allclose(run["losses"], golden["losses"],
                                atol=TOLERANCE)
     assert_close(run, golden)
@@ -239,8 +265,8 @@ def test_tf72686_optimizer_built_by_first_apply_gradients(local, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["plain", "distributed"])
-def test_multi_worker_dict_inputs(multi_worker, how):
+def test_multi_worker_dict_inputs(local, multi_worker, how):
     """k#20329, tf#72388, k#20585 on two real workers."""
-    golden, workers = multi_worker
-    for worker in workers:
-        assert_close(ok(worker[how]), ok(golden[how]))
+    golden = ok(local["dict_inputs"][how])
+    for worker in multi_worker:
+        assert_close(ok(worker[how]), golden)

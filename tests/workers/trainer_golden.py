@@ -163,8 +163,8 @@ if len(sys.argv) > 3:
     # Read by the chief only: it wrote the files before its fit returned,
     # while worker 1 may get here before the chief's last save lands.
     if tfmulti.cluster_config().is_chief:
-        results["checkpoint_step"] = int(tf.train.load_variable(
-            tf.train.latest_checkpoint(model_dir),
-            "step/.ATTRIBUTES/VARIABLE_VALUE"))
+        from tfmulti.training import checkpoints
+        results["checkpoint_step"] = checkpoints.read_position(
+            tf.train.latest_checkpoint(model_dir)).step
 with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:
     json.dump(results, f)
