@@ -73,7 +73,10 @@ def test_config_is_frozen():
     ({"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}},
      "`cluster.worker` should be a list"),
     ({"cluster": {"ps": ["p:1"], "worker": ["a:1"]},
-      "task": {"type": "worker", "index": 0}}, "task type 'ps'"),
+      "task": {"type": "worker", "index": 0}}, "needs a `cluster.chief`"),
+    ({"cluster": {"parameter_server": ["p:1"], "worker": ["a:1"]},
+      "task": {"type": "worker", "index": 0}},
+     "task type 'parameter_server'"),
     ({"cluster": {"chief": ["a:1", "b:1"]},
       "task": {"type": "chief", "index": 0}}, "only one chief"),
 ])

@@ -159,7 +159,7 @@ def test_flagfile_sets_the_flags(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--strategy=horovod"],
-     "value should be one of <auto|one_device|mirrored|multi_worker>"),
+     "value should be one of <auto|one_device|mirrored|multi_worker|parameter_server>"),
     (["--all_reduce=mpi"], "value should be one of"),
     (["--global_batch_size=0"], "0 is not a positive integer"),
     (["--pack_bytes=0"], "0 is not a positive integer"),

@@ -14,10 +14,10 @@ import re
 import socket
 from typing import Any, Mapping
 
-# MultiWorkerMirroredStrategy's task types: chief and worker train, an
-# evaluator only reads checkpoints. Parameter servers belong to another
-# strategy that tfmulti does not wrap.
-TASK_TYPES = ("chief", "worker", "evaluator")
+# Chief and worker train, an evaluator only reads checkpoints; parameter
+# servers (`ps`) hold the variables of a ParameterServerStrategy job, whose
+# chief coordinates and whose workers compute.
+TASK_TYPES = ("chief", "worker", "evaluator", "ps")
 _TRAINING_TYPES = ("chief", "worker")
 _EXAMPLE = ('{"cluster": {"worker": ["host0:12345", "host1:12345"]}, '
             '"task": {"type": "worker", "index": 0}}')
@@ -74,6 +74,11 @@ class ClusterConfig:
                      for a in self.cluster.get(t, ()))
 
     @property
+    def num_ps(self) -> int:
+        """Number of parameter servers (0 outside a parameter-server job)."""
+        return len(self.cluster.get("ps", ()))
+
+    @property
     def num_workers(self) -> int:
         """Number of training processes (chief and workers); 1 if alone."""
         return max(1, len(self.worker_addresses))
@@ -93,7 +98,7 @@ class ClusterConfig:
     @property
     def worker_rank(self) -> int:
         """This process's position among the training tasks (chief = 0)."""
-        if self.task_type == "evaluator" or not self.cluster:
+        if self.task_type in ("evaluator", "ps") or not self.cluster:
             return 0
         offset = len(self.cluster.get("chief", ())) if (
             self.task_type == "worker") else 0
@@ -118,8 +123,7 @@ def _validated_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
         if task_type not in TASK_TYPES:
             raise ValueError(
                 f"`cluster` has task type {task_type!r}; tfmulti's strategies "
-                f"support {list(TASK_TYPES)}. Rename it (parameter servers "
-                "are not used by MultiWorkerMirroredStrategy).")
+                f"support {list(TASK_TYPES)}. Rename it to one of those.")
         if isinstance(addresses, str) or not isinstance(
                 addresses, (list, tuple)):
             raise ValueError(
@@ -145,7 +149,31 @@ def _validated_cluster(cluster: Any) -> dict[str, tuple[str, ...]]:
         raise ValueError(
             f"`cluster` has no 'chief' or 'worker' task ({cluster!r}); "
             "at least one training task is needed.")
+    if "ps" in result:
+        check_parameter_server_roles(result)
     return result
+
+
+_PS_EXAMPLE = ('{"cluster": {"chief": ["host0:2222"], "worker": '
+               '["host1:2222", "host2:2222"], "ps": ["host3:2222"]}, '
+               '"task": {"type": "chief", "index": 0}}')
+
+
+def check_parameter_server_roles(cluster: Mapping[str, Any]) -> None:
+    """Raises a ValueError unless `cluster` has the roles of a
+    parameter-server job: one `chief` (the coordinator that runs the
+    training loop), at least one `worker` and at least one `ps`."""
+    for role, why in (
+            ("chief", "the coordinator that runs the training loop"),
+            ("worker", "the tasks that compute the steps"),
+            ("ps", "the parameter servers that hold the variables")):
+        if not cluster.get(role):
+            raise ValueError(
+                f"A parameter-server job needs a `cluster.{role}` ({why}), "
+                f"but `cluster` is {dict(cluster)!r}. Add its addresses, "
+                f"e.g. {_PS_EXAMPLE}; or, for synchronous training without "
+                "parameter servers, remove `cluster.ps` and use strategy "
+                "'multi_worker'.")
 
 
 def _check_address(where: str, address: Any) -> None:
@@ -224,7 +252,9 @@ def of_strategy(strategy) -> ClusterConfig:
     Read from the strategy's own cluster resolver, so it holds for a strategy
     made with an explicit `cluster` as much as for one made from TF_CONFIG.
     """
-    resolver = getattr(strategy, "cluster_resolver", None)
+    # ParameterServerStrategy keeps its resolver private.
+    resolver = getattr(strategy, "cluster_resolver", None) or getattr(
+        strategy, "_cluster_resolver", None)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if not spec:
         return ClusterConfig()
@@ -240,32 +270,40 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def local_cluster(num_workers: int, *, host: str = "127.0.0.1",
-                  ports: list[int] | None = None) -> list[dict[str, Any]]:
-    """TF_CONFIG dicts for `num_workers` processes on this machine.
+                  ports: list[int] | None = None,
+                  num_ps: int = 0) -> list[dict[str, Any]]:
+    """TF_CONFIG dicts for the processes of a job on this machine.
 
     Args:
       num_workers: number of worker processes, at least 1.
       host: the address they listen on; loopback unless you mean otherwise.
-      ports: ports to use; by default free ones are picked.
+      ports: ports to use, one per process; by default free ones are picked.
+      num_ps: parameter servers; with any, the job also gets a `chief` (the
+        coordinator of a ParameterServerStrategy job).
 
     Returns:
-      One TF_CONFIG dict per worker, worker i at index i.
+      One TF_CONFIG dict per process: without parameter servers worker i at
+      index i; with them the chief first, then the workers, then the ps.
     """
     if isinstance(num_workers, bool) or not isinstance(
             num_workers, int) or num_workers < 1:
         raise ValueError(f"`num_workers` should be a positive int, got "
                          f"{num_workers!r}.")
+    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+        raise ValueError(f"`num_ps` should be an int >= 0, got {num_ps!r}.")
+    roles = ([("chief", 1)] if num_ps else []) + [("worker", num_workers)] + (
+        [("ps", num_ps)] if num_ps else [])
+    count = sum(n for _, n in roles)
     if ports is None:
-        ports = _distinct_free_ports(host, num_workers)
-    if len(ports) != num_workers:
-        raise ValueError(f"`ports` has {len(ports)} entries for "
-                         f"{num_workers} workers; give one port per worker.")
-    addresses = [f"{host}:{p}" for p in ports]
-    configs = [{"cluster": {"worker": addresses},
-                "task": {"type": "worker", "index": i}}
-               for i in range(num_workers)]
-    ClusterConfig(cluster={"worker": addresses})  # validates the addresses
-    return configs
+        ports = _distinct_free_ports(host, count)
+    if len(ports) != count:
+        raise ValueError(f"`ports` has {len(ports)} entries for {count} "
+                         "processes; give one port per process.")
+    addresses = iter(f"{host}:{p}" for p in ports)
+    cluster = {role: [next(addresses) for _ in range(n)] for role, n in roles}
+    ClusterConfig(cluster=cluster)  # validates the addresses
+    return [{"cluster": cluster, "task": {"type": role, "index": i}}
+            for role, n in roles for i in range(n)]
 
 
 def _distinct_free_ports(host: str, count: int) -> list[int]:
@@ -299,7 +337,9 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     (compressed lists such as `node[01-04,07]` are expanded) and, when there
     are more tasks than nodes, SLURM_TASKS_PER_NODE (e.g. `2(x4)`). Tasks are
     placed on nodes in block order, as `srun` does by default; the k-th task
-    on a node listens on `port + k`.
+    on a node listens on `port + k`. With TFMULTI_NUM_PS=P > 0 the job is a
+    parameter-server job: task 0 is the `chief`, tasks 1..P the `ps`, the
+    rest `worker`s.
 
     Args:
       environ: the environment to read (defaults to `os.environ`).
@@ -349,8 +389,31 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     if not 0 <= rank < ntasks:
         raise ValueError(f"`SLURM_PROCID` is {rank} but `SLURM_NTASKS` is "
                          f"{ntasks}; it must be in [0, {ntasks - 1}].")
+    if environ.get("TFMULTI_NUM_PS", "0").strip() not in ("", "0"):
+        return _parameter_server_roles(
+            addresses, rank, _int_var(environ, "TFMULTI_NUM_PS"))
     return {"cluster": {"worker": addresses},
             "task": {"type": "worker", "index": rank}}
+
+
+def _parameter_server_roles(addresses, rank, num_ps):
+    """Task 0 is the chief, the next `num_ps` tasks the parameter servers,
+    the rest workers: the TF_CONFIG of a parameter-server job."""
+    if len(addresses) < num_ps + 2:
+        raise ValueError(
+            f"`TFMULTI_NUM_PS` is {num_ps} but the job has {len(addresses)} "
+            f"task(s); a parameter-server job needs {num_ps + 2}: a chief, "
+            f"{num_ps} ps and at least one worker. Start more tasks or "
+            "lower TFMULTI_NUM_PS.")
+    cluster = {"chief": addresses[:1], "ps": addresses[1:1 + num_ps],
+               "worker": addresses[1 + num_ps:]}
+    if rank == 0:
+        task = {"type": "chief", "index": 0}
+    elif rank <= num_ps:
+        task = {"type": "ps", "index": rank - 1}
+    else:
+        task = {"type": "worker", "index": rank - 1 - num_ps}
+    return {"cluster": cluster, "task": task}
 
 
 def kubernetes_tf_config(environ: Mapping[str, str] | None = None, *,

@@ -248,6 +248,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     import tensorflow as tf
     import tfmulti
     from tfmulti import models
+    from tfmulti import parameter_server
     from tfmulti import progress
 
     versions = {"tfmulti": tfmulti.__version__, "tensorflow": tf.__version__,
@@ -269,6 +270,11 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         config, strategy, examples_per_update=examples_per_update)
     image_key, label_key = info.supervised_keys
     num_classes = info.features[label_key].num_classes
+    if parameter_server.is_parameter_server(strategy) and loop != "trainer":
+        raise ValueError(
+            "Keras `model.fit` does not run under ParameterServerStrategy "
+            "(keras-team/keras#18624). Use recipes.custom_loop, whose "
+            "Trainer trains asynchronously under it.")
 
     with strategy.scope():
         keras.utils.set_random_seed(config.seed)
@@ -358,7 +364,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
 def input_data(config: ExperimentConfig, strategy, *,
                examples_per_update: int):
     """(TFDS info, train and test datasets, steps per epoch, total steps)."""
-    from tfmulti import data
+    import tensorflow as tf
+    from tfmulti import data, parameter_server
     train_fn = data.tfds_dataset_fn(config.dataset, "train",
                                     data_dir=config.data_dir)
     test_fn = data.tfds_dataset_fn(config.dataset, "test",
@@ -367,6 +374,14 @@ def input_data(config: ExperimentConfig, strategy, *,
     steps_per_epoch = max(1, info.splits["train"].num_examples //
                           examples_per_update)
     total_steps = config.steps or config.epochs * steps_per_epoch
+    if parameter_server.is_parameter_server(strategy):
+        # Asynchronous mode: every worker reads train_fn itself; the chief
+        # evaluates on batches of its own.
+        test = data.build_pipeline(test_fn, tf.distribute.InputContext(),
+                                   data.PipelineOptions(
+                                       global_batch_size=config.
+                                       global_batch_size, training=False))
+        return info, train_fn, test, steps_per_epoch, total_steps
     train = data.distribute_dataset(
         strategy, train_fn, global_batch_size=config.global_batch_size,
         seed=config.seed)

@@ -1,6 +1,7 @@
 """tfmulti-launch: one command -> N local workers of a multi-worker job.
 
     tfmulti-launch --workers 2 [--max_restarts R] [--timeout S] -- python -m recipes.keras_fit ...
+    tfmulti-launch --workers 2 --ps 1 -- python -m recipes.custom_loop --strategy=parameter_server
 
 Each worker gets its own TF_CONFIG on free ports (loopback unless `--host`
 says otherwise), and every line it prints is prefixed with `[wI]`. A worker
@@ -12,6 +13,13 @@ a summary: each worker's exit, the restarts and the wall time.
 
 No TensorFlow here (nor in what it imports): help and the launcher start in
 a fraction of a second, and the workers are the only TensorFlow processes.
+
+With `--ps N` the job is a parameter-server job: the command also runs as a
+`chief` (`[chief]`, the one that trains) and N parameter servers (`[psI]`);
+workers and parameter servers only serve and never exit by themselves. The
+job succeeds when the chief does. A dead worker does not fail the group (the
+chief's coordinator moves its work to the others); a dead chief or
+parameter server does, and the group is restarted.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class LaunchOptions:
       timeout: seconds the whole job may take (all attempts); None = no limit.
       host: the address the workers listen on.
       grace_seconds: how long a worker has to exit after SIGTERM.
+      ps: parameter servers; with any, a chief is started too.
     """
 
     workers: int
@@ -57,8 +66,13 @@ class LaunchOptions:
     timeout: float | None = None
     host: str = "127.0.0.1"
     grace_seconds: float = _GRACE_SECONDS
+    ps: int = 0
 
     def __post_init__(self):
+        if isinstance(self.ps, bool) or not isinstance(
+                self.ps, int) or self.ps < 0:
+            raise ValueError(f"`--ps` should be an integer >= 0, got "
+                             f"{self.ps!r}.")
         if isinstance(self.workers, bool) or not isinstance(
                 self.workers, int) or self.workers < 1:
             raise ValueError(f"`--workers` should be a positive integer, got "
@@ -76,10 +90,14 @@ class _Group:
 
     def __init__(self, command, options, attempt):
         self.procs = []
+        self.roles = []
         self._relays = []
-        for tf_config in cluster_lib.local_cluster(options.workers,
-                                                   host=options.host):
-            index = tf_config["task"]["index"]
+        for tf_config in cluster_lib.local_cluster(
+                options.workers, host=options.host, num_ps=options.ps):
+            task = tf_config["task"]
+            index = task["index"] if task["type"] == "worker" else (
+                "chief" if task["type"] == "chief" else f"ps{task['index']}")
+            self.roles.append(task["type"])
             env = dict(os.environ, TF_CONFIG=json.dumps(tf_config),
                        PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
             # Own session: the worker and anything it starts are one process
@@ -94,14 +112,25 @@ class _Group:
             self._relays.append(relay)
 
     def first_failure(self):
-        """(index, returncode) of a worker that failed, else None."""
+        """(name, returncode) of a task that failed, e.g. ("worker 1",
+        -9), else None.
+
+        In a parameter-server job only the chief and the parameter servers
+        count: the coordinator carries on without a dead worker.
+        """
         for i, proc in enumerate(self.procs):
+            if self.roles[i] == "worker" and "chief" in self.roles:
+                continue
             code = proc.poll()
             if code is not None and code != 0:
-                return i, code
+                index = i - self.roles.index(self.roles[i])
+                return f"{self.roles[i]} {index}", code
         return None
 
     def all_succeeded(self):
+        if "chief" in self.roles:
+            # Workers and parameter servers serve until they are stopped.
+            return self.procs[self.roles.index("chief")].poll() == 0
         return all(p.poll() == 0 for p in self.procs)
 
     def signal(self, signum):
@@ -127,7 +156,8 @@ class _Group:
 
 
 def _relay(proc, index):
-    prefix = f"[w{index}] ".encode()
+    prefix = (f"[w{index}] " if isinstance(index, int) else
+              f"[{index}] ").encode()
     for line in iter(proc.stdout.readline, b""):
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
@@ -202,10 +232,10 @@ def launch(command: list[str], options: LaunchOptions, *,
             index, code = failure
             left = options.max_restarts - attempt
             if left:
-                _say(f"worker {index} {_describe(code)}; restarting all "
+                _say(f"{index} {_describe(code)}; restarting all "
                      f"{options.workers} workers ({left} restart(s) left)")
             else:
-                _say(f"worker {index} {_describe(code)}; giving up after "
+                _say(f"{index} {_describe(code)}; giving up after "
                      f"{options.max_restarts} restart(s)")
                 return code if code > 0 else 128 - code
         raise AssertionError("unreachable")
@@ -243,8 +273,8 @@ def _parser():
         "on free ports, and each line it prints is prefixed with [wI]. If a "
         "worker fails, all are stopped and, while restarts remain, the "
         "whole group starts again (the job resumes from its checkpoints).",
-        usage="tfmulti-launch --workers N [--max_restarts R] [--timeout S] "
-              "[--host H] -- COMMAND ...",
+        usage="tfmulti-launch --workers N [--ps P] [--max_restarts R] "
+              "[--timeout S] [--host H] -- COMMAND ...",
         epilog="Workers see TF_CONFIG, TFMULTI_LAUNCH_ATTEMPT (0 for the "
         "first group, then 1, 2, ... after restarts) and TFMULTI_RUN_ID "
         "(the same for all workers and restarts; the recipes name their "
@@ -265,6 +295,10 @@ def _parser():
     parser.add_argument("--host", default="127.0.0.1",
                         help="address the workers listen on (default: "
                         "%(default)s)")
+    parser.add_argument("--ps", type=int, default=0,
+                        help="parameter servers: run a ParameterServer"
+                        "Strategy job (a chief, N workers, P ps; default: "
+                        "%(default)s)")
     return parser
 
 
@@ -283,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = LaunchOptions(workers=args.workers,
                                 max_restarts=args.max_restarts,
-                                timeout=args.timeout, host=args.host)
+                                timeout=args.timeout, host=args.host,
+                                ps=args.ps)
     except ValueError as e:
         parser.error(str(e))
     # One id for every worker and restart: a recipe's default run directory

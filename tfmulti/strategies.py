@@ -15,9 +15,10 @@ import warnings
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import compat, watchdog
+from tfmulti import compat, parameter_server, watchdog
 
-STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker")
+STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker",
+                  "parameter_server")
 MIRRORED_ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 MULTI_WORKER_ALL_REDUCE = ("auto", "ring", "nccl")
 
@@ -70,9 +71,12 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
 
     Args:
       name: "one_device", "mirrored" (N devices, one process), "multi_worker"
-        (N processes, TensorFlow's gRPC collectives) or "auto": multi_worker
-        when the cluster has more than one task, mirrored when more than one
-        local device, else one_device.
+        (N processes, TensorFlow's gRPC collectives), "parameter_server"
+        (asynchronous: a chief, workers and `ps` tasks; on a worker or ps
+        task this call runs its server and never returns, see
+        `tfmulti.parameter_server`) or "auto": parameter_server when the
+        cluster has `ps` tasks, multi_worker when it has more than one
+        task, mirrored when more than one local device, else one_device.
       devices: device names for one_device / mirrored; default: the first
         `num_gpus` GPUs, else every GPU, else every logical CPU.
       num_gpus: how many local GPUs to use; more than present is an error.
@@ -118,6 +122,15 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                              f"`math.inf` or None, got {value!r}.")
     if cluster is None:
         cluster = cluster_lib.cluster_config()
+    if name == "auto" and cluster.num_ps:
+        name = "parameter_server"
+    if name == "parameter_server":
+        return parameter_server.create(cluster)
+    if cluster.num_ps:
+        raise ValueError(
+            f"`cluster` has parameter servers ({list(cluster.cluster['ps'])}) "
+            f"but the strategy is {name!r}, which does not use them. Use "
+            "strategy 'parameter_server', or remove `cluster.ps`.")
     if name == "auto":
         if cluster.num_workers > 1:
             name = "multi_worker"

@@ -17,8 +17,10 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
-from tfmulti import compat, peer_failure, strategies, watchdog
+from tfmulti import compat, parameter_server, peer_failure, strategies
+from tfmulti import watchdog
 from tfmulti.training import actions as actions_lib
+from tfmulti.training import async_trainer
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
 from tfmulti.training import gradients as gradients_lib
@@ -221,6 +223,9 @@ class Trainer:
         # The last `train_data` given to fit, its iterator and global batch:
         # the same object given again continues where it stopped.
         self._source = self._iterator = self._source_batch = None
+        # Under ParameterServerStrategy fit and evaluate are asynchronous.
+        self._async = async_trainer.AsyncTraining(self) if (
+            parameter_server.is_parameter_server(self.strategy)) else None
 
     @property
     def step(self) -> int:
@@ -442,6 +447,12 @@ class Trainer:
                  "Or pass None to save at evaluations and the end.")):
             if value is not None:
                 _positive_int(name, value, hint)
+        if self._async is not None:
+            return self._async.fit(
+                train_data, steps=steps, global_batch_size=global_batch_size,
+                eval_data=eval_data, eval_every=eval_every,
+                checkpoint_every=checkpoint_every, callbacks=callbacks,
+                actions=actions, verbose=verbose)
         fresh_iterator = train_data is not self._source
         iterator, batch = self._iterator_for(train_data, global_batch_size)
         checkpointer = self._restore(iterator, fresh_iterator, batch,
@@ -575,6 +586,8 @@ class Trainer:
         Returns:
           {"loss": weighted mean loss, metric name: value, ...}.
         """
+        if self._async is not None:
+            return self._async.evaluate(eval_data)
         if isinstance(eval_data, tf.data.Dataset):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
