@@ -72,12 +72,15 @@ def first_tensor(x):
 
 def _equal_shares(strategy, batch) -> bool:
     """Whether every replica surely holds global_batch / N examples: known
-    at trace time when this process holds every replica and their static
-    batch sizes agree (drop_remainder=True, a divisible global batch)."""
+    at trace time when the static batch sizes of this process's replicas
+    agree (drop_remainder=True, a divisible global batch).
+
+    Other workers' shapes are not visible here; their static shapes come
+    from the same input pipeline (the same element spec on every worker),
+    so equal static sizes here mean equal sizes there, and the update keeps
+    its one all-reduce. A partial batch has no static size anywhere.
+    """
     local = strategy.experimental_local_results(batch)
-    if len(local) != strategy.num_replicas_in_sync:
-        # Other workers' shares are not visible here.
-        return False
     sizes = set()
     for part in local:
         shape = first_tensor(part).shape
