@@ -179,10 +179,14 @@ def test_infinite_training_source_streams_and_batched_source_warns(caplog):
     labels = [l for _, b in infinite.take(6).as_numpy_iterator() for l in b]
     assert labels == [(2 * k + 1) % 5 for k in range(12)]
     assert "returned an infinite dataset" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(ValueError, match="returned a batched dataset"):
         build_pipeline(lambda c: _range_fn(8)(c).batch(4), ctx,
                        PipelineOptions(global_batch_size=4))
+    caplog.clear()
+    # Batched, then mapped: only the shapes tell, so a warning.
+    with caplog.at_level(logging.WARNING):
+        build_pipeline(lambda c: _range_fn(8)(c).batch(4).map(
+            lambda f, l: (f, l)), ctx, PipelineOptions(global_batch_size=4))
     assert "elements look batched" in caplog.text
 
 

@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "ClusterConfig": "tfmulti.cluster",
+    "ConfigMismatchError": "tfmulti.training.agreement",
     "NonFiniteLossError": "tfmulti.training",
     "PeerFailureError": "tfmulti.peer_failure",
     "Trainer": "tfmulti.training",

@@ -329,6 +329,17 @@ def _int_var(environ: Mapping[str, str], name: str) -> int:
     return int(value)
 
 
+def _port_var(environ: Mapping[str, str]) -> int:
+    value = environ.get("TFMULTI_PORT")
+    if value is None:
+        return DEFAULT_PORT
+    if not value.strip().isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"`TFMULTI_PORT` should be a port number in [1, "
+                         f"65535], got {value!r}. Set it to the port every "
+                         f"worker listens on, or unset it for {DEFAULT_PORT}.")
+    return int(value)
+
+
 def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
                     port: int | None = None) -> dict[str, Any]:
     """Derives TF_CONFIG from SLURM's variables.
@@ -356,7 +367,7 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     rank = _int_var(environ, "SLURM_PROCID")
     ntasks = _int_var(environ, "SLURM_NTASKS")
     if port is None:
-        port = int(environ.get("TFMULTI_PORT", DEFAULT_PORT))
+        port = _port_var(environ)
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get(
         "SLURM_NODELIST", "")
     try:
@@ -442,7 +453,7 @@ def kubernetes_tf_config(environ: Mapping[str, str] | None = None, *,
             f"`TFMULTI_WORKER_HOST` is {pattern!r}; it should be a host "
             "pattern with '{index}', e.g. 'trainer-{index}.trainer'.")
     if port is None:
-        port = int(environ.get("TFMULTI_PORT", DEFAULT_PORT))
+        port = _port_var(environ)
     if "JOB_COMPLETION_INDEX" in environ:
         index = _int_var(environ, "JOB_COMPLETION_INDEX")
     else:
@@ -454,7 +465,14 @@ def kubernetes_tf_config(environ: Mapping[str, str] | None = None, *,
                 "and `JOB_COMPLETION_INDEX` is unset. Run as an indexed Job "
                 "(completionMode: Indexed) or a StatefulSet.")
         index = int(match.group(1))
-    addresses = [f"{pattern.format(index=i)}:{port}"
-                 for i in range(num_workers)]
+    try:
+        addresses = [f"{pattern.format(index=i)}:{port}"
+                     for i in range(num_workers)]
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"`TFMULTI_WORKER_HOST` is {pattern!r}, which has a field other "
+            f"than '{{index}}' or a stray brace ({type(e).__name__}: {e}). "
+            "Use '{index}' as its only field, e.g. "
+            "'trainer-{index}.trainer'.") from None
     return {"cluster": {"worker": addresses},
             "task": {"type": "worker", "index": index}}

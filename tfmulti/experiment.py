@@ -125,6 +125,11 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
                                suffix=".json")
+    # mkstemp makes the file 0600; on shared storage the others who read
+    # results need what the umask allows (0644 usually).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=True, default=str)
@@ -133,6 +138,31 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def check_output_dir(model_dir: str) -> None:
+    """Fails at start, naming the path, where the end would fail to write.
+
+    Raises:
+      ValueError: `model_dir` cannot be created or written, or its
+        `metrics.json` is a directory.
+    """
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"`model_dir` {model_dir!r} cannot be created ({e.strerror}: "
+            f"{e.filename!r}). Pass a directory this process can create and "
+            "write.") from None
+    if not os.access(model_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"`model_dir` {model_dir!r} is not writable by this "
+                         "process. Pass a directory it can write.")
+    metrics = os.path.join(model_dir, "metrics.json")
+    if os.path.isdir(metrics):
+        raise ValueError(
+            f"{metrics!r} is a directory, so the run's results could not be "
+            "written there at the end. Remove it or use another "
+            "`model_dir`.")
 
 
 def _check_dataset(name: str) -> None:
@@ -184,11 +214,14 @@ def _open_run_dir(config: ExperimentConfig, loop: str) -> rundir.RunDir:
     # A group restarted by tfmulti-launch continues where it failed.
     resume = config.resume or _launch_attempt() > 0
     try:
-        return rundir.open_run_dir(
+        run = rundir.open_run_dir(
             model_dir, config=_identity(config, loop), resume=resume,
             compared=RESUME_MUST_MATCH)
-    except rundir.RunDirError as e:
+        # Fail now, naming the path, where the end would fail to write.
+        check_output_dir(run.path)
+    except ValueError as e:
         raise ConfigError(str(e), flag="model_dir") from None
+    return run
 
 
 def _identity(config: ExperimentConfig, loop: str) -> dict[str, Any]:

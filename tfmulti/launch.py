@@ -7,9 +7,12 @@ Each worker gets its own TF_CONFIG on free ports (loopback unless `--host`
 says otherwise), and every line it prints is prefixed with `[wI]`. A worker
 that fails takes the group down: MultiWorkerMirroredStrategy cannot continue
 with a peer missing, so the whole group is restarted (the job resumes from its
-checkpoints) while restarts remain. SIGINT/SIGTERM are forwarded to every
-worker, so a preempted launcher lets its workers save. At the end it prints
-a summary: each worker's exit, the restarts and the wall time.
+checkpoints) while restarts remain. SIGINT or SIGTERM to the launcher sends
+SIGTERM (the preemption signal) to every worker, which gets the grace period
+to save; a second SIGINT/SIGTERM kills them at once. If the launcher itself
+dies without cleaning up (SIGKILL, OOM kill), `tfmulti/reaper.py` stops the
+workers (see there). At the end it prints a summary: each worker's exit, the
+restarts and the wall time.
 
 No TensorFlow here (nor in what it imports): help and the launcher start in
 a fraction of a second, and the workers are the only TensorFlow processes.
@@ -28,7 +31,9 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +51,21 @@ _GRACE_SECONDS = 30.0
 _FAILURE_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.1
 ATTEMPT_ENV = "TFMULTI_LAUNCH_ATTEMPT"
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                       "reaper.py")
+
+
+class LaunchError(ValueError):
+    """The launcher cannot start the workers (bad host, missing command).
+
+    Attributes:
+      exit_code: the launcher's exit code for it (127: no such command, as
+        a shell says).
+    """
+
+    def __init__(self, message, *, exit_code=2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +108,9 @@ class LaunchOptions:
 class _Group:
     """One attempt: N worker processes and the threads that relay output."""
 
-    def __init__(self, command, options, attempt):
+    def __init__(self, command, options, attempt, reaper):
         self.procs = []
+        self._reaper = reaper
         self.roles = []
         self._relays = []
         for tf_config in cluster_lib.local_cluster(
@@ -106,6 +127,7 @@ class _Group:
                                     stderr=subprocess.STDOUT,
                                     start_new_session=True)
             self.procs.append(proc)
+            reaper.watch(proc.pid)
             relay = threading.Thread(target=_relay, args=(proc, index),
                                      daemon=True)
             relay.start()
@@ -141,18 +163,56 @@ class _Group:
                 except ProcessLookupError:
                     pass
 
-    def stop(self, grace_seconds):
-        """SIGTERM every worker, then SIGKILL what is left after the grace."""
+    def running(self):
+        """Indices of the workers that have not exited."""
+        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+
+    def stop(self, grace_seconds, hurry=lambda: False):
+        """SIGTERM every worker, then SIGKILL what is left after the grace
+        (or as soon as `hurry()` is true)."""
         self.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and any(
-                p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and self.running() and not hurry():
             time.sleep(_POLL_SECONDS)
         self.signal(signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+            self._reaper.forget(proc.pid)
         for relay in self._relays:
             relay.join(timeout=5)
+
+
+class _Reaper:
+    """The orphan guard (`tfmulti/reaper.py`): kills the workers if the
+    launcher dies without stopping them."""
+
+    def __init__(self, grace_seconds):
+        # Own session: a signal to the launcher's process group (a terminal's
+        # Ctrl-C, a test harness's killpg) must not take the guard down too.
+        self._proc = subprocess.Popen(
+            [sys.executable, _REAPER, str(grace_seconds)],
+            stdin=subprocess.PIPE, text=True, start_new_session=True)
+
+    def _send(self, line):
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def watch(self, pgid):
+        self._send(f"+{pgid}")
+
+    def forget(self, pgid):
+        self._send(f"-{pgid}")
+
+    def close(self):
+        self._send("done")
+        try:
+            self._proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self._proc.wait()
 
 
 def _relay(proc, index):
@@ -173,6 +233,34 @@ def _describe(code):
     return f"exited with code {code}"
 
 
+def _check_command(command):
+    program = command[0]
+    if shutil.which(program) is None:
+        where = ("is not an executable file" if os.sep in program
+                 else "was not found on PATH")
+        raise LaunchError(
+            f"the command {program!r} {where}. Check its spelling, or give "
+            f"its full path, e.g. -- {sys.executable} train.py",
+            exit_code=127)
+
+
+def _check_host(host):
+    # The workers' servers would fail (or hang resolving) much later.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except socket.gaierror as e:
+        raise LaunchError(
+            f"`--host` {host!r} does not resolve ({e.strerror}). Give a name "
+            "or address of this machine, e.g. --host 127.0.0.1") from None
+    except OSError as e:
+        raise LaunchError(
+            f"`--host` {host!r} is not an address of this machine "
+            f"({e.strerror}). The launcher starts every worker here; give "
+            "one of this machine's addresses, e.g. --host 127.0.0.1"
+        ) from None
+
+
 def launch(command: list[str], options: LaunchOptions, *,
            summary: dict | None = None) -> int:
     """Runs `command` as a group of workers until it succeeds or gives up.
@@ -186,10 +274,16 @@ def launch(command: list[str], options: LaunchOptions, *,
     Returns:
       The exit code for the launcher: 0 when every worker of one attempt
       exited 0; non-zero otherwise, after printing a one-line reason.
+
+    Raises:
+      LaunchError: no command, a command that does not exist, or a `host`
+        that is not an address of this machine.
     """
     if not command:
-        raise ValueError("No command given: put it after `--`, e.g. "
-                         "tfmulti-launch --workers 2 -- python train.py")
+        raise LaunchError("No command given: put it after `--`, e.g. "
+                          "tfmulti-launch --workers 2 -- python train.py")
+    _check_command(command)
+    _check_host(options.host)
     deadline = None if options.timeout is None else (
         time.monotonic() + options.timeout)
     received = []
@@ -200,25 +294,38 @@ def launch(command: list[str], options: LaunchOptions, *,
 
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGINT, signal.SIGTERM)}
+    reaper = _Reaper(options.grace_seconds)
     try:
         for attempt in range(options.max_restarts + 1):
-            group = _Group(command, options, attempt)
+            group = _Group(command, options, attempt, reaper)
             try:
                 while True:
                     if received:
-                        # Forward first, so workers can checkpoint in the
-                        # grace period, then make sure they are gone.
-                        group.signal(received[0])
-                        group.stop(options.grace_seconds)
-                        _say(f"stopped by {signal.Signals(received[0]).name}")
+                        # SIGTERM whatever the launcher got: it is the signal
+                        # workers save on (SIGINT would raise
+                        # KeyboardInterrupt in them, and nothing is saved).
+                        # A second signal cuts the grace short.
+                        name = signal.Signals(received[0]).name
+                        _say(f"got {name}: sending SIGTERM to every worker, "
+                             f"{options.grace_seconds:g} s to save and exit "
+                             f"(send {name} again to kill them now)")
+                        group.stop(options.grace_seconds,
+                                   hurry=lambda: len(received) > 1)
+                        _say(f"stopped by {name}")
                         return 128 + received[0]
                     failure = group.first_failure()
                     if failure or group.all_succeeded():
                         break
                     if deadline is not None and time.monotonic() > deadline:
+                        running = group.running()
+                        done = [i for i in range(options.workers)
+                                if i not in running]
                         group.stop(options.grace_seconds)
                         _say(f"timed out after {options.timeout:g} s "
-                             f"(--timeout); stopped all workers")
+                             f"(--timeout): worker(s) {running} still "
+                             f"running" + (f", worker(s) {done} had "
+                                           f"finished" if done else "") +
+                             "; stopped all workers")
                         return 124
                     time.sleep(_POLL_SECONDS)
             finally:
@@ -240,6 +347,7 @@ def launch(command: list[str], options: LaunchOptions, *,
                 return code if code > 0 else 128 - code
         raise AssertionError("unreachable")
     finally:
+        reaper.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -278,8 +386,9 @@ def _parser():
         epilog="Workers see TF_CONFIG, TFMULTI_LAUNCH_ATTEMPT (0 for the "
         "first group, then 1, 2, ... after restarts) and TFMULTI_RUN_ID "
         "(the same for all workers and restarts; the recipes name their "
-        "default run directory with it). SIGINT/SIGTERM are forwarded to "
-        "every worker, which gets 30 s to save and exit. Exit status: 0 "
+        "default run directory with it). SIGINT/SIGTERM send SIGTERM to "
+        "every worker, which gets 30 s to save and exit (a second one kills "
+        "them now); workers die with the launcher, however it dies. Exit status: 0 "
         "when every worker of one group exited 0; 124 on --timeout; "
         "128+N when stopped by signal N; else the failing worker's code. "
         "Example: tfmulti-launch --workers 2 -- python -m recipes.keras_fit")
@@ -327,8 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     began, summary = time.monotonic(), {}
     try:
         return launch(command, options, summary=summary)
+    except LaunchError as e:
+        _say(str(e))
+        return e.exit_code
     finally:
-        _say(_summary_line(summary, time.monotonic() - began))
+        if summary:  # a group was started
+            _say(_summary_line(summary, time.monotonic() - began))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ user asked for, on MirroredStrategy too, which has no place for them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -15,7 +16,7 @@ import warnings
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import compat, parameter_server, watchdog
+from tfmulti import compat, parameter_server, startup, watchdog
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker",
                   "parameter_server")
@@ -65,7 +66,8 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                     timeout_seconds: float | None = None,
                     stall_timeout_seconds: float | None = (
                         DEFAULT_STALL_TIMEOUT_SECONDS),
-                    cluster: cluster_lib.ClusterConfig | None = None
+                    cluster: cluster_lib.ClusterConfig | None = None,
+                    startup_timeout_seconds: float | None = None
                     ) -> tf.distribute.Strategy:
     """Creates the distribution strategy named `name`.
 
@@ -97,6 +99,11 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         Default 600; None or `math.inf` for none.
       cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
         SLURM or Kubernetes from the environment).
+      startup_timeout_seconds: multi_worker: how long to wait for the
+        peers' hostnames to resolve and for the cluster to form, each;
+        default `startup.DEFAULT_STARTUP_TIMEOUT_SECONDS` (600). A worker
+        that waits longer is killed (SIGKILL) after printing which peers
+        did not answer.
 
     Returns:
       A `tf.distribute.Strategy`. For multi_worker it is a subclass of
@@ -105,7 +112,9 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
 
     Raises:
       ValueError: an unknown name or algorithm, a bad option, more GPUs than
-        present, or NCCL without GPUs.
+        present, NCCL without GPUs, a single-process strategy in a
+        multi-worker cluster, a peer hostname that does not resolve, or
+        this task's port in use.
       RuntimeError: multi_worker created after TensorFlow ran other ops.
     """
     _check_choice("name", name, STRATEGY_NAMES)
@@ -120,6 +129,11 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                 value, (int, float)) or not value > 0):
             raise ValueError(f"`{arg}` should be a positive number, "
                              f"`math.inf` or None, got {value!r}.")
+    if startup_timeout_seconds is None:
+        startup_timeout_seconds = startup.DEFAULT_STARTUP_TIMEOUT_SECONDS
+    if not startup_timeout_seconds > 0:
+        raise ValueError(f"`startup_timeout_seconds` should be positive, got "
+                         f"{startup_timeout_seconds!r}.")
     if cluster is None:
         cluster = cluster_lib.cluster_config()
     if name == "auto" and cluster.num_ps:
@@ -131,6 +145,16 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
             f"`cluster` has parameter servers ({list(cluster.cluster['ps'])}) "
             f"but the strategy is {name!r}, which does not use them. Use "
             "strategy 'parameter_server', or remove `cluster.ps`.")
+    if name in ("one_device", "mirrored") and cluster.num_workers > 1 and (
+            cluster.task_type != "evaluator"):
+        # Each worker would train alone on all the data and write the same
+        # checkpoints.
+        raise ValueError(
+            f"`name` is {name!r}, a single-process strategy, but this process "
+            f"is {cluster.task_type} {cluster.task_index} of a cluster of "
+            f"{cluster.num_workers} workers (TF_CONFIG, SLURM or Kubernetes "
+            "variables, or tfmulti-launch). Use 'multi_worker' (or 'auto'), "
+            "or run one process without a cluster.")
     if name == "auto":
         if cluster.num_workers > 1:
             name = "multi_worker"
@@ -161,7 +185,8 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         implementation=_IMPLEMENTATIONS.get(all_reduce, _IMPLEMENTATIONS[
             "auto"]))
     if name == "multi_worker":
-        strategy = _multi_worker(cluster, num_gpus, options)
+        strategy = _multi_worker(cluster, num_gpus, options,
+                                 startup_timeout_seconds)
     else:
         if devices is None:
             devices = _local_devices(num_gpus)
@@ -261,7 +286,7 @@ def _mirrored_ops(all_reduce):
     return None
 
 
-def _multi_worker(cluster, num_gpus, options):
+def _multi_worker(cluster, num_gpus, options, startup_timeout_seconds):
     if num_gpus is not None:
         # Physical, not logical: listing logical devices would initialise
         # the runtime before the strategy can configure collectives.
@@ -276,8 +301,18 @@ def _multi_worker(cluster, num_gpus, options):
             task_type=cluster.task_type, task_id=cluster.task_index,
             rpc_layer="grpc")
     cls = compat.multi_worker_strategy_class()
+    join = contextlib.nullcontext()
+    if cluster.cluster:
+        startup.check_hosts_resolve(cluster,
+                                    timeout_seconds=startup_timeout_seconds)
+        if cluster.task_type != "evaluator":
+            startup.check_port_free(cluster)
+        join = startup.bounded_join(cluster,
+                                    timeout_seconds=startup_timeout_seconds)
     try:
-        return cls(cluster_resolver=resolver, communication_options=options)
+        with join:
+            return cls(cluster_resolver=resolver,
+                       communication_options=options)
     except RuntimeError as e:
         if "program startup" in str(e) or "initialized" in str(e):
             raise RuntimeError(

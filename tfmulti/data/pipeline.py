@@ -19,11 +19,13 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 
+from tfmulti.data import finiteness
 from tfmulti.data import sharding as sharding_lib
 
 _log = logging.getLogger(__name__)
@@ -95,6 +97,14 @@ class PipelineOptions:
             raise ValueError(
                 "`cache` should be None (automatic), True (memory), False, "
                 f"or a file path prefix, got {self.cache!r}.")
+        if isinstance(self.cache, str):
+            parent = os.path.dirname(os.path.abspath(self.cache))
+            if not os.path.isdir(parent):
+                raise ValueError(
+                    f"`cache` is {self.cache!r}, but {parent!r} is not a "
+                    "directory" + (" (it is a file)" if os.path.exists(
+                        parent) else " (it does not exist)") + ". Give a "
+                    "path prefix inside an existing directory.")
         if self.map_fn is not None and not callable(self.map_fn):
             raise ValueError(
                 f"`map_fn` should be callable or None, got {self.map_fn!r}.")
@@ -124,6 +134,15 @@ def _check_element(dataset, what: str) -> None:
             "`ds.map(lambda ex: (ex['image'], ex['label']))`, or "
             "`as_supervised=True` for TFDS.")
     shapes = [s.shape for s in tf.nest.flatten(spec)]
+    if "BatchDataset" in type(dataset).__name__:
+        # The last step was .batch()/.padded_batch() (TF's private class
+        # names; the warning below covers what this misses).
+        raise ValueError(
+            f"`{what}` returned a batched dataset (element shapes "
+            f"{[str(s) for s in shapes]}); tfmulti batches itself with the "
+            "per-replica batch, so batching twice would multiply the batch. "
+            "Remove the .batch() and pass `global_batch_size` "
+            "(tensorflow/tensorflow#33809).")
     if all(s.rank and s[0] is None for s in shapes):
         # Every component starting with an unknown dimension is what
         # .batch() leaves; batching twice silently multiplies the batch.
@@ -342,6 +361,12 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     Returns:
       A `tf.distribute.DistributedDataset` of per-replica batches.
     """
+    if not callable(dataset_fn):
+        raise ValueError(
+            "`dataset_fn` should be a callable dataset_fn(input_context) "
+            f"returning an unbatched tf.data.Dataset, got "
+            f"{type(dataset_fn).__name__}. Wrap a dataset as "
+            "`lambda input_context: dataset`.")
     options = PipelineOptions(
         global_batch_size=global_batch_size, training=training,
         shuffle_buffer=shuffle_buffer, seed=seed, cache=cache, map_fn=map_fn,
@@ -352,5 +377,6 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     _log.info("tfmulti: global batch %d = %d replica(s) x per-replica batch "
               "%d (%s)", global_batch_size, replicas, per_replica,
               "training" if training else "evaluation")
-    return strategy.distribute_datasets_from_function(
+    distributed = strategy.distribute_datasets_from_function(
         functools.partial(build_pipeline, dataset_fn, options=options))
+    return finiteness.mark_endless(distributed) if training else distributed

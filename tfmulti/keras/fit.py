@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
+from tfmulti.data import finiteness
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -438,6 +439,18 @@ def _spec_batch(element_spec):
 
 def _fit(model, *args, **kwargs):
     bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
+    arguments = bound.arguments
+    if finiteness.is_endless(arguments.get("x")) and not arguments.get(
+            "steps_per_epoch"):
+        raise ValueError(
+            f"`steps_per_epoch` is {arguments.get('steps_per_epoch')!r} but "
+            "`x` is an endless training stream (tfmulti.distribute_dataset "
+            "repeats it), so the first epoch would never end. Pass "
+            "steps_per_epoch=<examples per epoch> // global_batch_size.")
+    if arguments.get("validation_data") is not None:
+        finiteness.check_finite(
+            arguments["validation_data"], arg="validation_data",
+            fix=_FINITE_FIX)
     if "shuffle" not in bound.arguments and isinstance(
             bound.arguments.get("x"), (tf.data.Dataset,
                                        tf.distribute.DistributedDataset)):
@@ -459,6 +472,17 @@ def _fit(model, *args, **kwargs):
     # Trainer.
     with peer_failure.translated(model.distribute_strategy):
         return type(model).fit(*bound.args, **bound.kwargs)
+
+
+_FINITE_FIX = ("Pass an exact-once evaluation stream: tfmulti.distribute_"
+               "dataset(..., training=False).")
+
+
+def _evaluate(model, x=None, *args, **kwargs):
+    if kwargs.get("steps") is None:
+        finiteness.check_finite(x, arg="x", fix=_FINITE_FIX + (
+            " Or give `steps`."))
+    return type(model).evaluate(model, x, *args, **kwargs)
 
 
 def _maybe_symbolic_build(model, iterator=None, data_batch=None):
@@ -554,6 +578,8 @@ def distributed(model, *, grad_accum_steps: int = 1,
                                                   model)
     model.make_test_function = functools.partial(_make_test_function, model)
     model.fit = functools.partial(_fit, model)
+    # An endless `x` (the training stream) would never finish evaluating.
+    model.evaluate = functools.partial(_evaluate, model)
     model._maybe_symbolic_build = functools.partial(_maybe_symbolic_build,
                                                     model)
     model.train_function = None

@@ -105,3 +105,41 @@ def nonfinite_variables(variables) -> list[str]:
                 np.isfinite(value)):
             bad.append(getattr(variable, "path", None) or variable.name)
     return bad
+
+
+# Consecutive skipped updates after which skipping is a failure, not loss
+# scaling at work: dynamic loss scaling finds its scale within ~15 halvings
+# from 2**15; more in a row means the loss or gradients overflow whatever the
+# scale, and the job would end with exit 0 and untrained weights.
+MAX_CONSECUTIVE_SKIPS = 25
+
+
+def consecutive_skips(previous: int, losses) -> int:
+    """Skipped updates in a row at the end of `losses`, continuing `previous`."""
+    finite = np.isfinite(np.asarray(losses, np.float64))
+    if finite.all():
+        return 0
+    if not finite.any():
+        return previous + finite.size
+    return int(finite.size - 1 - np.flatnonzero(finite)[-1])
+
+
+def check_consecutive_skips(count: int, *, step: int, optimizer) -> None:
+    """Raises `NonFiniteLossError` once `count` reaches the bound.
+
+    The message names the loss scale reached, so the cause (an overflow the
+    scale cannot absorb, or NaN input) is not blamed on the learning rate.
+    """
+    if count < MAX_CONSECUTIVE_SKIPS:
+        return
+    scale = getattr(optimizer, "dynamic_scale", None)
+    scale_text = "" if scale is None else (
+        f" with the loss scale down to {float(np.asarray(scale)):g}")
+    raise NonFiniteLossError(
+        f"The last {count} updates (up to step {step}) were all skipped "
+        f"because the loss or its gradients were NaN or inf{scale_text}: "
+        "training makes no progress and would end with untrained weights. "
+        "This is not the learning rate (no update was applied): the forward "
+        "or backward pass itself overflows (under mixed_float16, values "
+        "beyond float16's 65504: keep that layer or the loss in float32), "
+        "or the input holds NaN/inf.", step=step)

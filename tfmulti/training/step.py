@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 
 import tensorflow as tf
 
@@ -43,10 +44,14 @@ class GradientOptions:
                 "for no accumulation.")
         c = self.clip_global_norm
         if c is not None and (isinstance(c, bool) or
-                              not isinstance(c, (int, float)) or not c > 0):
+                              not isinstance(c, (int, float)) or not c > 0
+                              or not math.isfinite(c)):
+            # inf clips every gradient to inf/inf = NaN: every update would
+            # be skipped (silently, under loss scaling).
             raise ValueError(
                 f"`clip_global_norm` should be a positive number or None, got "
-                f"{c!r}.")
+                f"{c!r}; it must be finite (clipping to inf makes every "
+                "gradient NaN). Pass None for no clipping.")
         d = self.allreduce_dtype
         if d is not None and d not in gradients_lib.ALLREDUCE_DTYPES:
             raise ValueError(

@@ -19,10 +19,13 @@ from tfmulti import cluster as cluster_lib
 from tfmulti import data as data_lib
 from tfmulti import compat, parameter_server, peer_failure, strategies
 from tfmulti import watchdog
+from tfmulti.data import finiteness
 from tfmulti.training import actions as actions_lib
+from tfmulti.training import agreement
 from tfmulti.training import async_trainer
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
+from tfmulti.training import data_checks
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
@@ -127,6 +130,12 @@ def _check_per_example(per_example):
             "replicas. Pass a Keras loss with `reduction=None`, e.g. "
             "keras.losses.SparseCategoricalCrossentropy(from_logits=True, "
             "reduction=None), or a function returning shape [batch].")
+
+
+def _check_eval_data(eval_data):
+    finiteness.check_finite(eval_data, arg="eval_data", fix=(
+        "Pass an exact-once evaluation stream: tfmulti.distribute_"
+        "dataset(..., training=False), or a dataset without .repeat()."))
 
 
 class Trainer:
@@ -330,6 +339,10 @@ class Trainer:
     def _iterator_for(self, train_data, global_batch_size):
         if train_data is self._source:
             return self._iterator, self._source_batch
+        if not callable(train_data):  # a dataset_fn is batched for us
+            data_checks.check_batched(getattr(train_data, "element_spec",
+                                              None))
+            data_checks.check_not_empty(train_data)
         data = self._distribute(train_data, global_batch_size)
         batch = self._global_batch_size(data, global_batch_size)
         iterator = data if isinstance(
@@ -447,6 +460,8 @@ class Trainer:
                  "Or pass None to save at evaluations and the end.")):
             if value is not None:
                 _positive_int(name, value, hint)
+        if eval_data is not None:
+            _check_eval_data(eval_data)
         if self._async is not None:
             return self._async.fit(
                 train_data, steps=steps, global_batch_size=global_batch_size,
@@ -458,17 +473,26 @@ class Trainer:
         checkpointer = self._restore(iterator, fresh_iterator, batch,
                                      verbose) if self.model_dir else None
         try:
-            return self._fit(iterator, batch, steps, checkpointer,
-                             eval_data=eval_data, eval_every=eval_every,
-                             callbacks=callbacks, actions=actions,
-                             checkpoint_every=checkpoint_every,
-                             verbose=verbose)
+            # Data that runs out, or does not fit the model, is named.
+            with data_checks.translated(
+                    iterator.element_spec, step=lambda: self.step,
+                    steps=steps,
+                    batches_per_step=self._options.grad_accum_steps):
+                return self._fit(iterator, batch, steps, checkpointer,
+                                 eval_data=eval_data, eval_every=eval_every,
+                                 callbacks=callbacks, actions=actions,
+                                 checkpoint_every=checkpoint_every,
+                                 verbose=verbose)
         finally:
             if checkpointer is not None:
                 checkpointer.close()
 
     def _fit(self, iterator, batch, steps, checkpointer, *, eval_data,
              eval_every, callbacks, actions, checkpoint_every, verbose):
+        # Before the train loop is built: with another grad_accum_steps it
+        # creates other variables, whose broadcasts would meet this check's
+        # all-reduce on the other worker.
+        self._check_workers_agree(batch, steps)
         train = self._train_loop(batch)
         callback_list = keras.callbacks.CallbackList(list(callbacks),
                                                      model=self.model)
@@ -479,6 +503,7 @@ class Trainer:
         examples_per_step = batch * self._options.grad_accum_steps
         on_nonfinite = numerics.mode_for(self.optimizer, self._on_nonfinite)
         lengths = {}
+        skips_in_a_row = [0]
 
         def train_loop(start, n):
             callback_list.on_train_batch_begin(start)
@@ -491,6 +516,10 @@ class Trainer:
             skipped = numerics.check_losses(losses, first_step=start,
                                             on_nonfinite=on_nonfinite)
             elapsed = time.perf_counter() - began
+            skips_in_a_row[0] = numerics.consecutive_skips(skips_in_a_row[0],
+                                                           losses)
+            numerics.check_consecutive_skips(
+                skips_in_a_row[0], step=start + n, optimizer=self.optimizer)
             self._steps_done = start + n
             logs = {"loss": float(losses.mean()),
                     **{k: float(v) for k, v in metrics.items()}}
@@ -573,6 +602,18 @@ class Trainer:
         for metric in self.metrics:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
 
+    def _check_workers_agree(self, global_batch_size, steps):
+        agreement.check_agreement(self.strategy, {
+            "global_batch_size": global_batch_size,
+            "grad_accum_steps": self._options.grad_accum_steps,
+            "steps_per_loop": self._steps_per_loop,
+            "steps": steps,
+            # The restored step is agreed by the checkpoint layer's own
+            # position check, at the restore.
+            "model variable shapes (fingerprint)":
+                agreement.shapes_fingerprint(self.model.variables),
+        })
+
     def evaluate(self, eval_data) -> dict:
         """Loss and metrics over `eval_data`, each example counted once.
 
@@ -586,6 +627,7 @@ class Trainer:
         Returns:
           {"loss": weighted mean loss, metric name: value, ...}.
         """
+        _check_eval_data(eval_data)
         if self._async is not None:
             return self._async.evaluate(eval_data)
         if isinstance(eval_data, tf.data.Dataset):
@@ -604,6 +646,11 @@ class Trainer:
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
         with watchdog.calling(self.strategy):
             self._eval_fn(iter(eval_data))
+        if float(self._eval_loss.count.numpy()) == 0:
+            raise ValueError(
+                "`eval_data` yielded no examples (an empty dataset, or one "
+                "whose every batch was padding), so there is no loss to "
+                "report. Check the split and any filter() in the pipeline.")
         return {m.name: float(m.result())
                 for m in (self._eval_loss, *self.metrics)}
 
