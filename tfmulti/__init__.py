@@ -21,8 +21,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ClusterConfig": "tfmulti.cluster",
     "ConfigMismatchError": "tfmulti.training.agreement",
+    "LocalSGD": "tfmulti.training.local_sgd",
     "NonFiniteLossError": "tfmulti.training",
+    "OuterSGD": "tfmulti.training.local_sgd",
     "PeerFailureError": "tfmulti.peer_failure",
+    "PowerSGD": "tfmulti.training.powersgd",
     "Trainer": "tfmulti.training",
     "cluster_config": "tfmulti.cluster",
     "create_strategy": "tfmulti.strategies",

@@ -25,6 +25,7 @@ from tfmulti import rundir
 
 DEFAULT_DATASET = "tfmulti_shapes"
 LOOPS = ("fit", "trainer")
+COMPRESSIONS = ("none", "powersgd")
 # The default run directory is named after the recipe that runs the loop.
 RECIPE_NAMES = {"fit": "keras_fit", "trainer": "custom_loop"}
 # What a resumed run must share with the saved one: what is trained, not
@@ -33,7 +34,8 @@ RESUME_MUST_MATCH = (
     "loop", "dataset", "global_batch_size", "epochs", "steps",
     "learning_rate", "base_batch_size", "lr_scaling", "warmup_steps",
     "grad_accum_steps", "clip_global_norm", "mixed_precision",
-    "sync_batchnorm", "seed")
+    "sync_batchnorm", "seed", "sync_every", "outer_learning_rate",
+    "outer_momentum", "compression", "powersgd_rank")
 
 
 class ConfigError(ValueError):
@@ -78,6 +80,11 @@ class ExperimentConfig:
     seed: int = 0
     pipeline_stages: int = 1
     micro_batches: int = 1
+    sync_every: int = 1
+    outer_learning_rate: float = 1.0
+    outer_momentum: float = 0.0
+    compression: str = "none"
+    powersgd_rank: int = 4
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -100,6 +107,41 @@ class ExperimentConfig:
                               "checkpoints, events and metrics.json, or "
                               "leave it out for a new one under ./runs.",
                               flag="model_dir")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"`compression` is {self.compression!r}; valid "
+                              f"values are {list(COMPRESSIONS)}.",
+                              flag="compression")
+        if (self.sync_every, self.outer_learning_rate, self.outer_momentum,
+                self.compression) != (1, 1.0, 0.0, "none"):
+            # Built here so that bad values fail before any training; only
+            # when asked for, as it imports TensorFlow.
+            try:
+                self.communication_options()
+            except ValueError as e:
+                raise ConfigError(str(e), flag="compression" if (
+                    self.compression != "none") else "sync_every") from None
+
+    def communication_options(self):
+        """(sync, compression) for the Trainer / `tfmulti.keras.distributed`.
+
+        `sync_every` 1 with outer learning rate 1 and momentum 0 is the
+        synchronous update; anything else is local SGD (DiLoCo with an
+        outer learning rate or momentum).
+        """
+        from tfmulti.training import local_sgd, powersgd, reduction
+        outer = None
+        if (self.outer_learning_rate, self.outer_momentum) != (1.0, 0.0):
+            outer = local_sgd.OuterSGD(learning_rate=self.outer_learning_rate,
+                                       momentum=self.outer_momentum)
+        sync = None
+        if self.sync_every != 1 or outer is not None:
+            sync = local_sgd.LocalSGD(every=self.sync_every,
+                                      outer_optimizer=outer)
+        compression = powersgd.PowerSGD(rank=self.powersgd_rank) if (
+            self.compression == "powersgd") else None
+        reduction.check_options(sync, compression,
+                                allreduce_dtype=self.allreduce_dtype)
+        return sync, compression
 
 
 def _check_pipeline(config: ExperimentConfig) -> None:
@@ -319,6 +361,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             config, examples_per_update=examples_per_update))
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
+    sync, compression = config.communication_options()
     progress_logger = progress.ProgressLogger(
         total_steps=total_steps,
         steps_per_epoch=min(total_steps, steps_per_epoch),
@@ -334,13 +377,14 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             allreduce_dtype=config.allreduce_dtype,
             steps_per_loop=config.steps_per_loop,
             mixed_precision=config.mixed_precision,
-            model_dir=model_dir)
+            model_dir=model_dir, sync=sync, compression=compression)
         history = trainer.fit(train, steps=total_steps, eval_data=test,
                               eval_every=steps_per_epoch,
                               global_batch_size=config.global_batch_size,
                               callbacks=[progress_logger], verbose=0)
         seconds = time.perf_counter() - start
         evaluation = trainer.evaluate(test)
+        traffic = trainer.communication
         final_train = {k: history[k][-1] for k in
                        ("loss", *[m.name for m in trainer.metrics])
                        if history.get(k)}
@@ -358,7 +402,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         model = tfmulti.keras.distributed(
             model, grad_accum_steps=config.grad_accum_steps,
             clip_global_norm=config.clip_global_norm,
-            allreduce_dtype=config.allreduce_dtype)
+            allreduce_dtype=config.allreduce_dtype, sync=sync,
+            compression=compression)
         epochs = max(1, -(-total_steps // steps_per_epoch))
         history = model.fit(
             train, epochs=epochs, steps_per_epoch=min(total_steps,
@@ -368,6 +413,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                        progress_logger])
         seconds = time.perf_counter() - start
         evaluation = model.evaluate(test, verbose=0, return_dict=True)
+        traffic = tfmulti.keras.communication(model)
         final_train = {k: v[-1] for k, v in history.history.items()
                        if not k.startswith("val_")}
         checkpoints = os.path.join(model_dir, backup_lib.CHECKPOINT_DIR)
@@ -381,6 +427,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                              ) * examples_per_update / seconds,
         "num_replicas": strategy.num_replicas_in_sync,
         "model_dir": model_dir,
+        # This worker's gradient / parameter all-reduces, as issued.
+        "communication": traffic,
         "config": _identity(config, loop),
         "versions": versions,
     }

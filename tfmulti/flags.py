@@ -109,6 +109,18 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "group with --pipeline_stages (the example CNN "
                          "drops BatchNormalization when the batch is "
                          "split).", lower_bound=1, **fv)
+    flags.DEFINE_integer("sync_every", 1, "Local SGD: workers average their "
+                         "weights every this many updates (1: every update, "
+                         "synchronous).", lower_bound=1, **fv)
+    flags.DEFINE_float("outer_learning_rate", 1.0, "DiLoCo outer learning "
+                       "rate on the averaged delta (1 with momentum 0: plain "
+                       "averaging).", **fv)
+    flags.DEFINE_float("outer_momentum", 0.0, "DiLoCo outer Nesterov "
+                       "momentum (DiLoCo: 0.9, with outer lr 0.7).", **fv)
+    flags.DEFINE_enum("compression", "none", list(experiment.COMPRESSIONS),
+                      "Gradient compression: PowerSGD or none.", **fv)
+    flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD rank.",
+                         lower_bound=1, **fv)
 
 
 def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
@@ -132,7 +144,10 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         else f.mixed_precision,
         sync_batchnorm=f.sync_batchnorm, steps_per_loop=f.steps_per_loop,
         model_dir=f.model_dir, resume=f.resume, seed=f.seed,
-        pipeline_stages=f.pipeline_stages, micro_batches=f.micro_batches)
+        pipeline_stages=f.pipeline_stages, micro_batches=f.micro_batches,
+        sync_every=f.sync_every, outer_learning_rate=f.outer_learning_rate,
+        outer_momentum=f.outer_momentum, compression=f.compression,
+        powersgd_rank=f.powersgd_rank)
 
 
 def _usage_error(message: str, flag: str | None = None,

@@ -322,3 +322,59 @@ def _multi_worker(cluster, num_gpus, options, startup_timeout_seconds):
                 "thing in the program, before building models or datasets or "
                 f"running any TensorFlow op. TensorFlow said: {e}") from e
         raise
+
+
+def multi_worker_on_cpus(local_cpus: int, *,
+                         stall_timeout_seconds: float | None = (
+                             DEFAULT_STALL_TIMEOUT_SECONDS),
+                         cluster: cluster_lib.ClusterConfig | None = None
+                         ) -> tf.distribute.Strategy:
+    """A multi-worker strategy with `local_cpus` simulated CPU replicas per
+    worker process: the topology of N hosts x M GPUs, on CPUs.
+
+    MultiWorkerMirroredStrategy puts one replica on a worker without GPUs;
+    this one splits the CPU into `local_cpus` logical devices (without
+    initialising TensorFlow, which would stop the strategy configuring its
+    collectives) and replicates over them. Call it first thing in the
+    program, like `create_strategy("multi_worker")`.
+
+    Args:
+      local_cpus: replicas per worker, at least 1.
+      stall_timeout_seconds: as for `create_strategy("multi_worker")`: a
+        training call that makes no progress this long fails.
+      cluster: the cluster; default `tfmulti.cluster_config()`.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
+    if isinstance(local_cpus, bool) or not isinstance(local_cpus, int) or (
+            local_cpus < 1):
+        raise ValueError(f"`local_cpus` should be an int >= 1, got "
+                         f"{local_cpus!r}.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * local_cpus)
+
+    class Extended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+        def _initialize_local_devices(self, cluster_resolver, worker_device):
+            return tuple(f"{worker_device}/device:CPU:{i}"
+                         for i in range(local_cpus)), "CPU"
+
+    class Strategy(compat.multi_worker_strategy_class()):
+        def __init__(self, resolver, options):
+            tf.distribute.Strategy.__init__(self, Extended(
+                self, communication_options=options,
+                cluster_resolver=resolver, devices=None))
+
+    if cluster is None:
+        cluster = cluster_lib.cluster_config()
+    # No per-collective timeout (a thread per collective, issue 19): the
+    # watchdog bounds a stuck peer, as for create_strategy.
+    options = tf.distribute.experimental.CommunicationOptions()
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({t: list(a) for t, a in cluster.cluster.items()}),
+        task_type=cluster.task_type, task_id=cluster.task_index,
+        rpc_layer="grpc")
+    strategy = Strategy(resolver, options)
+    strategy._tfmulti_communication_options = options
+    watchdog.attach(strategy, stall_timeout_seconds)
+    return strategy

@@ -41,6 +41,8 @@ MODES = {
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
         "soak": {"seconds": 300, "interval": 10},
         "pipeline_bubble": {"stages": (2, 4)},
+        # Full bench only: six trainings on 2 workers x 2 replicas.
+        "communication_reduction": {"steps": 312, "global_batch_size": 64},
     },
     "quick": {
         "replicas": (1, 4),
@@ -68,7 +70,8 @@ MODES = {
     },
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
-              "accumulation_memory", "soak", "pipeline_bubble")
+              "accumulation_memory", "soak", "pipeline_bubble",
+              "communication_reduction")
 
 
 def _kill(proc):
@@ -211,6 +214,21 @@ def _soak(mode, timeout):
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
         for entry, configs in zip(("trainer", "fit"), _two_clusters())},
         True)
+def _communication_reduction(mode, timeout):
+    if "communication_reduction" not in mode:
+        return None  # not in --quick / --tiny
+    import tempfile
+    from tfmulti.data import shapes
+    data_dir = mode.get("data_dir") or tempfile.mkdtemp(
+        prefix="tfmulti_bench_")
+    # Prepared once here, so the workers only read it.
+    shapes.prepare_default(data_dir)
+    configs = cluster_lib.local_cluster(2)
+    return _run_part(
+        "communication_reduction",
+        dict(mode["communication_reduction"], data_dir=data_dir),
+        timeout=timeout,
+        envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
 
 
 def _pipeline_bubble(mode, timeout):
@@ -226,7 +244,8 @@ def _pipeline_bubble(mode, timeout):
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
-           "pipeline_bubble": _pipeline_bubble}
+           "pipeline_bubble": _pipeline_bubble,
+           "communication_reduction": _communication_reduction}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -259,7 +278,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
-               "soak": None, "pipeline_bubble": None, "errors": {},
+               "soak": None, "pipeline_bubble": None,
+               "communication_reduction": None, "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):

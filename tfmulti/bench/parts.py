@@ -55,6 +55,11 @@ def _pipeline_bubble(**kwargs):
     return pipeline_bubble.measure(**kwargs)
 
 
+def _communication_reduction(**kwargs):
+    from tfmulti.bench import communication_reduction
+    return communication_reduction.worker_main(**kwargs)
+
+
 PARTS = {
     "step_overhead": _step_overhead,
     "step_overhead_layouts": _step_overhead_layouts,
@@ -63,6 +68,7 @@ PARTS = {
     "accumulation_memory": _accumulation_memory,
     "soak": _soak,
     "pipeline_bubble": _pipeline_bubble,
+    "communication_reduction": _communication_reduction,
 }
 
 

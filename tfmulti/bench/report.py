@@ -19,6 +19,8 @@ import json
 import os
 import platform
 
+from tfmulti.bench import communication_reduction
+
 SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("schema_version", "machine", "settings", "step_overhead",
                   "replica_overhead", "input_pipeline", "communication",
@@ -126,6 +128,9 @@ def goals(results: dict) -> list[dict]:
             f"{per['collectives_per_step']} -> "
             f"{one['collectives_per_step']}", "fewer",
             one["collectives_per_step"] < per["collectives_per_step"])
+    reduced = (results.get("communication_reduction") or {}).get("configs")
+    if reduced:
+        found.extend(communication_reduction.goals(reduced))
     mem = results.get("accumulation_memory")
     if mem:
         add("peak memory: accumulate K x B / batch B", mem["accum_vs_batch"],
@@ -259,6 +264,12 @@ def markdown(results: dict) -> str:
     if results.get("pipeline_bubble"):
         from tfmulti.bench import pipeline_bubble
         lines += pipeline_bubble.markdown(results["pipeline_bubble"])
+    reduced = results.get("communication_reduction")
+    if reduced:
+        lines += ["", "## Less communication (2 workers x 2 replicas, "
+                  f"small_cnn, {reduced['settings']['steps']} steps of "
+                  f"{reduced['settings']['global_batch_size']})", ""]
+        lines += communication_reduction.markdown(reduced)
     if results["errors"]:
         lines += ["", "## Errors", ""]
         lines += [f"- {part}: {msg.splitlines()[-1] if msg else ''}"

@@ -31,9 +31,11 @@ import tensorflow as tf
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.data import finiteness
+from tfmulti.training import communication as communication_lib
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
+from tfmulti.training import reduction
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer as trainer_lib
 from tfmulti.training import xla as xla_lib
@@ -85,11 +87,17 @@ def _check_model(model):
 class _State:
     """What `distributed` keeps on a model: options and the current chunk."""
 
-    def __init__(self, options, strategy, *, jit_compile=False):
+    def __init__(self, options, strategy, *, jit_compile=False, sync=None,
+                 compression=None):
         self.options = options
         self.jit_compile = jit_compile
         # The kept training iterator, across `fit` calls (fit_input.py).
         self.input = fit_input_lib.FitInput(strategy)
+        self.sync = sync
+        self.compression = compression
+        # Made with the first train function and kept: its state (anchors,
+        # error feedback) and traffic counts outlive a re-`compile`.
+        self.reducer = None
         # Set by `_Chunk` at each batch begin: the first step of the chunk
         # Keras is about to run and the steps in the epoch (None: unknown).
         self.begin = 0
@@ -339,11 +347,17 @@ def _make_train_function(model, force=False):
     trainer_lib.check_created_in_scope(strategy, model, optimizer)
     if not gradients_lib.reduces_gradients(optimizer):
         gradients_lib.disable_optimizer_reduction(optimizer)
+    communication_options = strategies.communication_options(strategy)
+    if state.reducer is None:
+        state.reducer = reduction.make_reducer(
+            strategy, model.trainable_variables, sync=state.sync,
+            compression=state.compression,
+            communication_options=communication_options,
+            allreduce_dtype=state.options.allreduce_dtype)
     train_step = step_lib.TrainStep(
         strategy, model, optimizer, _compute_loss_fn(model),
-        options=state.options,
-        communication_options=strategies.communication_options(strategy),
-        jit_compile=state.jit_compile)
+        options=state.options, communication_options=communication_options,
+        reducer=state.reducer, jit_compile=state.jit_compile)
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = _metrics_function(model)
     extras_read = None
@@ -518,10 +532,22 @@ def batches_per_step(model) -> int:
     return state.options.grad_accum_steps if state is not None else 1
 
 
+def communication(model) -> dict:
+    """All-reduce calls and payload bytes a `distributed` model's `fit` has
+    issued on this worker so far (zeros before the first `fit`)."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise ValueError(f"`model` {model.name!r} was not made by "
+                         "tfmulti.keras.distributed(model).")
+    if state.reducer is None:
+        return {key: 0 for key in communication_lib.TRAFFIC_KEYS}
+    return state.reducer.traffic.result()
+
+
 def distributed(model, *, grad_accum_steps: int = 1,
                 clip_global_norm: float | None = None,
                 allreduce_dtype: str | None = None,
-                jit_compile: bool = False):
+                jit_compile: bool = False, sync=None, compression=None):
     """Makes `model.fit` train with tfmulti's step under the model's strategy.
 
     Call after `model.compile(...)` under `strategy.scope()`; then call
@@ -556,6 +582,10 @@ def distributed(model, *, grad_accum_steps: int = 1,
         (`tfmulti.training.xla`; the all-reduce stays outside). Independent
         of Keras's `compile(jit_compile=...)`, which Keras turns off under a
         strategy.
+      sync: None or `tfmulti.LocalSGD(every=H, ...)`: workers synchronise
+        every H updates. Its state is not in Keras checkpoints (use the
+        Trainer to resume local SGD).
+      compression: None or `tfmulti.PowerSGD(rank=r)`.
 
     Returns:
       `model`.
@@ -569,9 +599,12 @@ def distributed(model, *, grad_accum_steps: int = 1,
     options = step_lib.GradientOptions(
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype)
+    reduction.check_options(sync, compression,
+                            allreduce_dtype=allreduce_dtype)
     setattr(model, _STATE, _State(
         options, model.distribute_strategy,
-        jit_compile=xla_lib.check_jit_compile(jit_compile)))
+        jit_compile=xla_lib.check_jit_compile(jit_compile), sync=sync,
+        compression=compression))
     # Instance attributes shadow the class's methods for this model only;
     # `compile` resets the functions to None, so they are made lazily.
     model.make_train_function = functools.partial(_make_train_function,

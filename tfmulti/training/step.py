@@ -16,6 +16,7 @@ import math
 
 import tensorflow as tf
 
+from tfmulti.training import communication
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import xla as xla_lib
 
@@ -127,13 +128,16 @@ class TrainStep:
       metrics: Keras metrics updated with `(y, y_pred, sample_weight)`.
       communication_options: `tf.distribute.experimental.CommunicationOptions`
         for the gradient all-reduce.
+      reducer: who reduces the gradients and counts the traffic (see
+        `communication`); default: one synchronous all-reduce per update.
       jit_compile: compile each replica's forward and backward with XLA
         (the all-reduce and the update stay outside; see `xla.py`).
     """
 
     def __init__(self, strategy, model, optimizer, compute_loss, *,
                  options: GradientOptions = GradientOptions(), metrics=(),
-                 communication_options=None, jit_compile: bool = False):
+                 communication_options=None, reducer=None,
+                 jit_compile: bool = False):
         if not gradients_lib.reduces_gradients(optimizer):
             raise ValueError(
                 "`optimizer` still sums gradients across replicas itself, so "
@@ -149,6 +153,9 @@ class TrainStep:
         self._options = options
         self._metrics = tuple(metrics)
         self._communication_options = communication_options
+        self.reducer = reducer or communication.SynchronousReducer(
+            strategy, communication_options=communication_options,
+            allreduce_dtype=options.allreduce_dtype)
         self._variables = list(model.trainable_variables)
         self.jit_compile = bool(jit_compile)
         self._replica_gradients = (
@@ -220,9 +227,7 @@ class TrainStep:
             # Ordered after the reads above by automatic control deps.
             for acc in self._accumulators:
                 acc.assign(tf.zeros_like(acc))
-        grads = gradients_lib.all_reduce_sum(
-            grads, options=self._communication_options,
-            dtype=self._options.allreduce_dtype)
+        grads = self.reducer.reduce(grads)
         clip = self._options.clip_global_norm
         if clip is not None:
             # The gradients still carry the loss scale: clip at scale * clip.
@@ -239,6 +244,7 @@ class TrainStep:
         is the loss of the update's K*B examples.
         """
         loss = tf.constant(0.0)
+        self.reducer.before_update()
         # K-1 micro-steps only accumulate (no communication); the K-th
         # computes its gradient, adds the accumulated ones, reduces once and
         # applies. K=1 is a single fused step with no accumulator variables.
@@ -248,4 +254,6 @@ class TrainStep:
             loss = self._strategy.run(self._accumulate, args=(batch, loss))
         batch = next(iterator)
         self._equal_shares = _equal_shares(self._strategy, batch)
-        return self._strategy.run(self._update, args=(batch, loss))
+        loss = self._strategy.run(self._update, args=(batch, loss))
+        self.reducer.after_update()
+        return loss

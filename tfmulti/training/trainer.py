@@ -28,7 +28,7 @@ from tfmulti.training import controller as controller_lib
 from tfmulti.training import data_checks
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import numerics, preemption
+from tfmulti.training import communication, numerics, preemption, reduction
 from tfmulti.training import step as step_lib
 from tfmulti.training import summaries
 from tfmulti.training import xla as xla_lib
@@ -165,6 +165,10 @@ class Trainer:
       on_nonfinite: "raise" (NonFiniteLossError naming the step, before any
         checkpoint of the weights) or "skip" (skip that update on every
         replica; see `numerics.skipping_optimizer`).
+      sync: None (synchronous) or `tfmulti.LocalSGD(every=H, ...)`: workers
+        synchronise every H updates (checkpoints only at those points).
+      compression: None or `tfmulti.PowerSGD(rank=r)` for the gradient
+        all-reduce.
       jit_compile: compile each replica's forward and backward with XLA
         (`tfmulti.training.xla`); an op XLA cannot compile raises
         `XlaCompileError` naming its layer at the first step.
@@ -174,7 +178,8 @@ class Trainer:
                  metrics=(), grad_accum_steps=1, clip_global_norm=None,
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
-                 on_nonfinite="raise", jit_compile=False):
+                 on_nonfinite="raise", sync=None, compression=None,
+                 jit_compile=False):
         from tfmulti.pipeline import trainer_adapter
         # A PipelinedModel brings its own step; the rest of fit is shared.
         self._pipeline = trainer_adapter.TrainerAdapter(
@@ -198,6 +203,19 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype)
+        reduction.check_options(sync, compression,
+                                allreduce_dtype=allreduce_dtype)
+        if self._pipeline is not None and (sync or compression):
+            # The pipeline brings its own step, which has no reducer hook.
+            raise ValueError(
+                f"`sync`={sync!r} / `compression`={compression!r} do not "
+                "apply to a PipelinedModel; pass neither to train a pipeline.")
+        if (sync or compression) and parameter_server.is_parameter_server(
+                _resolve_strategy(strategy, model)):
+            # Asynchronous updates through the ps: no all-reduce to reduce.
+            raise ValueError(
+                f"`sync`={sync!r} / `compression`={compression!r} do not "
+                "apply to ParameterServerStrategy; pass neither.")
         self._steps_per_loop = _positive_int(
             "steps_per_loop", steps_per_loop,
             "It is how many steps run inside one tf.function call.")
@@ -227,6 +245,12 @@ class Trainer:
         self._steps_done = 0
         gradients_lib.disable_optimizer_reduction(optimizer)
         self.optimizer = optimizer
+        self._reducer = reduction.make_reducer(
+            self.strategy, model.trainable_variables, sync=sync,
+            compression=compression,
+            communication_options=strategies.communication_options(
+                self.strategy),
+            allreduce_dtype=allreduce_dtype)
         self._loops = {}
         self._eval_fn = None
         # The last `train_data` given to fit, its iterator and global batch:
@@ -240,6 +264,12 @@ class Trainer:
     def step(self) -> int:
         """Optimizer updates made so far (restored with a checkpoint)."""
         return self._steps_done
+
+    @property
+    def communication(self) -> dict:
+        """All-reduce calls and payload bytes this worker issued so far, in
+        total and between workers (`communication.TRAFFIC_KEYS`)."""
+        return self._reducer.traffic.result()
 
     def _check_precision(self, mixed_precision):
         model_policy = self.model.dtype_policy.name
@@ -288,7 +318,8 @@ class Trainer:
                 self._compute_loss_fn(global_batch_size),
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
-                    self.strategy), jit_compile=self._jit_compile)
+                    self.strategy), reducer=self._reducer,
+                jit_compile=self._jit_compile)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy, metrics=self.metrics)
         return self._loops[global_batch_size]
@@ -354,7 +385,8 @@ class Trainer:
     def _checkpointer(self, iterator):
         """A Checkpointer, and whether it saves the iterator's position."""
         trackables = dict(model=self.model, optimizer=self.optimizer if (
-            self._pipeline is None) else self._pipeline.optimizer_view)
+            self._pipeline is None) else self._pipeline.optimizer_view,
+            **self._reducer.trackables())
         if compat.is_trackable(iterator):
             trackables["iterator"] = iterator
         return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
@@ -561,11 +593,14 @@ class Trainer:
         loop_actions.extend(actions)
         if checkpointer is not None:
             position = functools.partial(self._position, batch=batch)
+            save_schedule = controller_lib.Schedule(
+                every_steps=checkpoint_every) if (
+                    checkpoint_every is not None or eval_data is None) else (
+                        eval_schedule)
             loop_actions.append(actions_lib.SaveCheckpoint(
-                checkpointer, position, schedule=controller_lib.Schedule(
-                    every_steps=checkpoint_every) if (
-                        checkpoint_every is not None or eval_data is None)
-                else eval_schedule))
+                checkpointer, position,
+                schedule=communication.at_sync_points(save_schedule,
+                                                      self._reducer)))
             loop_actions.append(actions_lib.ExitOnPreemption(
                 self._preemption, checkpointer, position, say=self._print))
         callback_list.on_train_begin()
