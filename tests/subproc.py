@@ -16,6 +16,9 @@ from tfmulti import cluster as cluster_lib
 
 
 def _start(argv, env, cwd=None):
+    # faulthandler prints every thread's Python stack on SIGABRT: a process
+    # that runs past its bound says where it was (see _stacks).
+    env = dict(env, PYTHONFAULTHANDLER="1")
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, cwd=cwd)
@@ -30,6 +33,17 @@ def _kill(proc):
     proc.wait()
 
 
+def _stacks(proc) -> str:
+    """Ends an overdue `proc` with SIGABRT and returns the end of its output,
+    which then holds faulthandler's stacks of every thread."""
+    try:
+        proc.send_signal(signal.SIGABRT)
+        out, _ = proc.communicate(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        return "(no stacks: the process did not answer SIGABRT)"
+    return (out or "")[-6000:]
+
+
 def run_python(args, *, timeout=300, env=None, check=True, cwd=None):
     """Runs `python ARGS` (in `cwd`) and returns (returncode, output)."""
     proc = _start([sys.executable, *args], dict(os.environ, **(env or {})),
@@ -37,8 +51,10 @@ def run_python(args, *, timeout=300, env=None, check=True, cwd=None):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = _stacks(proc)
         _kill(proc)
-        raise AssertionError(f"python {args} ran past {timeout}s")
+        raise AssertionError(f"python {args} ran past {timeout}s; its end:\n"
+                             f"{stacks}")
     finally:
         _kill(proc)
     if check and proc.returncode != 0:
@@ -74,7 +90,8 @@ def run_workers(args, num_workers, *, timeout=300, env=None, check=True,
                 out, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 raise AssertionError(
-                    f"worker {i} of python {args} ran past {timeout}s")
+                    f"worker {i} of python {args} ran past {timeout}s; its "
+                    f"end:\n{_stacks(proc)}")
             results.append((proc.returncode, out))
     finally:
         for proc in procs:
