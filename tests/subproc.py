@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from tfmulti import cluster as cluster_lib
 
@@ -44,12 +45,55 @@ def _stacks(proc) -> str:
     return (out or "")[-6000:]
 
 
-def run_python(args, *, timeout=300, env=None, check=True, cwd=None):
-    """Runs `python ARGS` (in `cwd`) and returns (returncode, output)."""
+class Stalled(AssertionError):
+    """The process used no CPU for `stall_seconds` (see run_python)."""
+
+
+def _cpu_seconds(pid) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait(proc, timeout, stall_seconds):
+    """proc.communicate(), bounded by `timeout` and, if given, by
+    `stall_seconds` without CPU use."""
+    deadline = time.monotonic() + timeout
+    cpu, since = -1.0, time.monotonic()
+    while True:
+        now = time.monotonic()
+        try:
+            return proc.communicate(timeout=max(0.1, min(5.0, deadline - now)))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+        if stall_seconds is None:
+            continue
+        try:
+            used = _cpu_seconds(proc.pid)
+        except (OSError, IndexError):
+            continue
+        if used != cpu:
+            cpu, since = used, time.monotonic()
+        elif time.monotonic() - since >= stall_seconds:
+            raise Stalled(f"stalled: no CPU used for {stall_seconds}s")
+
+
+def run_python(args, *, timeout=300, env=None, check=True, cwd=None,
+               stall_seconds=None):
+    """Runs `python ARGS` (in `cwd`) and returns (returncode, output).
+
+    With `stall_seconds`, a process that uses no CPU that long is ended too
+    and raises `Stalled` (with its threads' stacks).
+    """
     proc = _start([sys.executable, *args], dict(os.environ, **(env or {})),
                   cwd=cwd)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = _wait(proc, timeout, stall_seconds)
+    except Stalled as stalled:
+        stacks = _stacks(proc)
+        _kill(proc)
+        raise Stalled(f"python {args} {stalled}; its end:\n{stacks}")
     except subprocess.TimeoutExpired:
         stacks = _stacks(proc)
         _kill(proc)

@@ -821,13 +821,23 @@ def guards():
 
 
 def main():
-    out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
+    # `--resume`: keep the cases an earlier (stalled) process finished.
+    args = sys.argv[1:]
+    resume = "--resume" in args
+    args = [a for a in args if a != "--resume"]
+    out_path, names = args[0], args[1:] or list(CASES)
     results = {}
+    if resume and os.path.exists(out_path):
+        with open(out_path) as f:
+            results = json.load(f)
     for name in names:
+        if name in results:
+            continue
         results[name] = CASES[name]()
-        # Written after every case: a timeout still leaves the others.
-        with open(out_path, "w") as f:
+        # Written (whole) after every case: a stall keeps the others.
+        with open(out_path + ".tmp", "w") as f:
             json.dump(results, f)
+        os.replace(out_path + ".tmp", out_path)
 
 
 if __name__ == "__main__":

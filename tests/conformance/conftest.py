@@ -1,19 +1,35 @@
 """Shared runs of the conformance cases: one subprocess per device layout."""
 
 import json
+import warnings
 
 import pytest
 
-from tests.subproc import run_python, run_workers
+from tests.subproc import Stalled, run_python, run_workers
 
 LOCAL = "tests/conformance/cases_local.py"
 MULTI_WORKER = "tests/conformance/cases_multi_worker.py"
 
 
+# A case never waits: 90 s without CPU is a stall, not slowness.
+STALL_SECONDS = 90
+
+
 @pytest.fixture(scope="session")
 def local(tmp_path_factory):
     out = tmp_path_factory.mktemp("conformance") / "local.json"
-    run_python([LOCAL, str(out)], timeout=900)
+    try:
+        run_python([LOCAL, str(out)], timeout=900, stall_seconds=STALL_SECONDS)
+    except Stalled as stalled:
+        # TensorFlow 2.21 can deadlock destroying a distributed iterator
+        # (BUILD_NOTES, issue 11: the autotune model thread of the
+        # MultiDeviceIterator's host iterator is never joined). The cases
+        # done are kept in `out`; a second process runs the rest, once. A
+        # second stall fails.
+        warnings.warn(f"conformance cases resumed after a stall: "
+                      f"{str(stalled)[:3000]}")
+        run_python([LOCAL, str(out), "--resume"], timeout=900,
+                   stall_seconds=STALL_SECONDS)
     return json.loads(out.read_text())
 
 
