@@ -327,7 +327,7 @@ def unequal_shapes_error(strategy, value) -> ValueError | None:
 # stock train step sees per-replica batches of unequal or unknown size, and
 # name the fix (`tfmulti.keras.distributed` weights exactly). Checked:
 # Keras 3.15.1. Guard: tests/conformance/test_conformance.py::test_uneven_
-# batches (plain fit still differs and warns).
+# last_batch_plain_fit_warns_once (plain fit still differs and warns).
 _warned_uneven = set()
 
 
