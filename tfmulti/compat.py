@@ -460,3 +460,63 @@ def readable_checkpoint(prefix: str):
                 os.symlink(os.path.join(directory, name),
                            os.path.join(links, name))
         yield os.path.join(links, stem)
+
+
+# --- Deleting an autotuned tf.data iterator can stop the process ----------
+# Symptom: deleting a tf.data iterator whose pipeline is autotuned joins its
+# `tf_data_model` thread (`Model::OptimizeLoop`). The iterator's
+# cancellation callback wakes that thread, but the CancellationManager
+# marks itself cancelled only after running its callbacks (tsl
+# cancellation.cc), so the woken thread can see "not cancelled" and sleep
+# out the rest of its optimisation period (doubling up to 60 s). The Python
+# thread dropping the last reference (usually the cyclic GC, in the middle
+# of a later trace) holds the GIL meanwhile: the whole process sits at 0
+# CPU for up to 60 s per iterator (gdb: the main thread in
+# `~LogicalThreadWrapper` <- `RootDataset::Iterator::~Iterator`, joining
+# the thread in `OptimizeLoop`'s timed wait). A distributed iterator holds
+# several (its source on the host, one per device). Measured with
+# tests/workers/iterator_deletion.py: plain iterators block on TF 2.18.1
+# and 2.20.0 (7 and 5 of 30, 20-60 s each) but not on 2.21.0; distributed
+# ones block on every version checked, 2.21.0 included (1-31 s). In
+# distributed fit's golden run: one GC pause of 98-271 s in about half the
+# runs on TF 2.18.1, 2.19.1 and 2.20.0. Checked: TF 2.18.1, 2.19.1, 2.20.0,
+# 2.21.0.
+# Workaround: the datasets of distributed input (what a MultiDeviceIterator
+# iterates: its source on the host and its per-device datasets) run
+# without autotune, so no model thread is joined. Installed once, when
+# tfmulti first imports TensorFlow (this module). Other autotuned
+# iterators in the process (plain `iter(dataset)`) are left alone.
+# Guard: test_compat.py::test_distributed_iterator_deletion_still_blocks.
+def _without_autotune(dataset):
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+def _distribute_without_autotune() -> None:
+    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+    if getattr(mdi, "_tfmulti_without_autotune", False):
+        return
+    create_device_dataset = mdi._create_device_dataset
+    owned_init = mdi.OwnedMultiDeviceIterator.__init__
+
+    def device_dataset(*args, **kwargs):
+        return _without_autotune(create_device_dataset(*args, **kwargs))
+
+    def init(self, dataset=None, *args, **kwargs):
+        if dataset is not None:
+            dataset = _without_autotune(dataset)
+        owned_init(self, dataset, *args, **kwargs)
+
+    mdi._create_device_dataset = device_dataset
+    mdi.OwnedMultiDeviceIterator.__init__ = init
+    mdi._tfmulti_without_autotune = True
+
+
+def distributed_input_autotuned() -> bool:
+    """False once the workaround above is installed in this process."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+    return not getattr(mdi, "_tfmulti_without_autotune", False)
+
+
+_distribute_without_autotune()

@@ -21,11 +21,10 @@ def local(tmp_path_factory):
     try:
         run_python([LOCAL, str(out)], timeout=900, stall_seconds=STALL_SECONDS)
     except Stalled as stalled:
-        # TensorFlow 2.21 can deadlock destroying a distributed iterator
-        # (BUILD_NOTES, issue 11: the autotune model thread of the
-        # MultiDeviceIterator's host iterator is never joined). The cases
-        # done are kept in `out`; a second process runs the rest, once. A
-        # second stall fails.
+        # A safety net for TensorFlow's iterator-teardown stalls (BUILD_NOTES,
+        # issue 11, "The intermittent stall"; compat.py now avoids the known
+        # one). The cases done are kept in `out`; a second process runs the
+        # rest, once. A second stall fails.
         warnings.warn(f"conformance cases resumed after a stall: "
                       f"{str(stalled)[:3000]}")
         run_python([LOCAL, str(out), "--resume"], timeout=900,
