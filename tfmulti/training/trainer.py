@@ -662,6 +662,8 @@ class Trainer:
         _check_eval_data(eval_data)
         if self._async is not None:
             return self._async.evaluate(eval_data)
+        data_checks.check_not_empty(eval_data, arg="eval_data",
+                                    purpose="evaluate")
         if isinstance(eval_data, tf.data.Dataset):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
@@ -676,7 +678,9 @@ class Trainer:
         # The iterator is made here, not inside the tf.function: creating a
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
-        with watchdog.calling(self.strategy):
+        # A label or shape that does not fit the model is named, as in fit.
+        with watchdog.calling(self.strategy), data_checks.translated(
+                getattr(eval_data, "element_spec", None), arg="eval_data"):
             self._eval_fn(iter(eval_data))
         if float(self._eval_loss.count.numpy()) == 0:
             raise ValueError(
