@@ -533,17 +533,23 @@ class Trainer:
         on_nonfinite = numerics.mode_for(self.optimizer, self._on_nonfinite)
         lengths = {}
         skips_in_a_row = [0]
+        # Evidence for a non-finite loss's message (read only then).
+        weight_check = numerics.WeightCheck(self.model.trainable_variables)
 
         def train_loop(start, n):
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
             if n not in lengths:
                 lengths[n] = tf.constant(n, tf.int32)
+            if on_nonfinite == "raise":
+                weight_check.take(start)
+                numerics.check_weights(weight_check)
             losses, metrics = train(iterator, lengths[n]) if (
                 self.metrics) else (train(iterator, lengths[n]), {})
             losses = losses.numpy()
-            skipped = numerics.check_losses(losses, first_step=start,
-                                            on_nonfinite=on_nonfinite)
+            skipped = numerics.check_losses(
+                losses, first_step=start, on_nonfinite=on_nonfinite,
+                previous=history["step_loss"], weights=weight_check)
             elapsed = time.perf_counter() - began
             skips_in_a_row[0] = numerics.consecutive_skips(skips_in_a_row[0],
                                                            losses)
@@ -605,6 +611,9 @@ class Trainer:
             train_loop, steps_per_loop=self._steps_per_loop,
             actions=loop_actions, agree=self._agree).run(
                 self.step, steps, stop=lambda: self.model.stop_training)
+        if on_nonfinite == "raise":
+            weight_check.take(self.step)
+            numerics.check_weights(weight_check)
         callback_list.on_train_end(history)
         return history
 
