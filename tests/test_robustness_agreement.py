@@ -3,8 +3,11 @@
 Two real worker processes (MultiWorkerMirroredStrategy on loopback), three
 mismatches in one run: global batch size; grad_accum_steps and
 steps_per_loop;
-a `model_dir` that is not shared (restored steps differ).
+a `model_dir` that is not shared (restored steps differ); Keras fit with
+another global batch or grad_accum_steps; a model of another shape.
 """
+
+import re
 
 import pytest
 
@@ -30,3 +33,42 @@ def test_workers_that_differ_fail_clearly_before_training(tmp_path):
         assert ("the workers do not read the same checkpoint. Put "
                 "`model_dir` on a filesystem every worker can read"
                 ) in lines["CASE 3"]
+        # Keras fit under tfmulti.keras.distributed: the same agreement.
+        assert ("ConfigMismatchError: The workers of this job were started "
+                "with different configurations") in lines["CASE 4"]
+        assert ("`global_batch_size` differs across workers (worker 0 has "
+                "16, worker 1 has 32)") in lines["CASE 4"]
+        assert ("`grad_accum_steps` differs across workers (worker 0 has 1, "
+                "worker 1 has 2)") in lines["CASE 5"]
+    # Another model shape: named where TensorFlow's broadcast fails.
+    assert re.search(
+        r"CASE 6: ConfigMismatchError: The workers build different models: "
+        r"the variable 'sequential_\d+/dense_\d+/kernel' has shape \[4,4\] on "
+        r"worker 1 and \[4,3\] on another worker", results[1][1]), (
+            results[1][1][-3000:])
+    assert re.search(
+        r"CASE 6: RuntimeError: Worker 0 of 2: a peer stopped while the "
+        r"initial value of the variable 'sequential_\d+/dense_\d+/kernel' was "
+        r"broadcast", results[0][1]), results[0][1][-3000:]
+
+
+@pytest.mark.slow
+def test_a_model_with_more_variables_on_one_worker_is_named(tmp_path):
+    """Worker 1's extra layer: its next initial-value broadcast met worker
+    0's optimizer's ("Collective instance N expected type 1 ... but got type
+    0", a raw InternalError on both, before)."""
+    results = subproc.run_workers([WORKER, str(tmp_path), "extra"], 2,
+                                  timeout=300)
+    for _, out in results:
+        assert "DONE" in out, out[-3000:]
+    assert re.search(
+        r"CASE 7: ConfigMismatchError: The workers build different models: "
+        r"worker 0's broadcast of the initial value of the variable "
+        r"'sgd/iteration' \(shape \[\]\) met another kind of collective",
+        results[0][1]), results[0][1][-3000:]
+    assert re.search(
+        r"CASE 7: ConfigMismatchError: The workers build different models: "
+        r"worker 1's broadcast of the initial value of the variable "
+        r"'sequential/dense_1/kernel'.* met another kind of collective on "
+        r"another worker, so the workers create different variables",
+        results[1][1]), results[1][1][-3000:]

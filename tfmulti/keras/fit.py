@@ -30,6 +30,7 @@ import tensorflow as tf
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.data import finiteness
+from tfmulti.training import agreement
 from tfmulti.training import communication as communication_lib
 from tfmulti.training import data_checks
 from tfmulti.keras import fit_input as fit_input_lib
@@ -307,6 +308,9 @@ def _fit(model, *args, **kwargs):
     # A lost peer surfaces as PeerFailureError naming the cause, as in the
     # Trainer.
     with peer_failure.translated(model.distribute_strategy):
+        # Before Keras builds the train function: another grad_accum_steps
+        # creates other variables, whose broadcasts would meet this check.
+        _check_workers_agree(model, state, dict(bound.arguments, x=x))
         history = type(model).fit(*bound.args, **bound.kwargs)
     if state.epochs_begun and not state.train_calls:
         raise ValueError(
@@ -316,6 +320,38 @@ def _fit(model, *args, **kwargs):
             "nothing was trained (Keras only warns). Check the split and any "
             "filter() in the pipeline.")
     return history
+
+
+def _global_batch(strategy, x, batch_size) -> int:
+    """The batch summed over replicas that `fit` will train with (0: not
+    known statically)."""
+    spec = getattr(x, "element_spec", None)
+    if spec is None:
+        return batch_size or 32  # Keras's default for arrays
+    leaf = tf.nest.flatten(spec)[0]
+    per_replica = isinstance(x, tf.distribute.DistributedDataset)
+    leaf = getattr(leaf, "_value_specs", (leaf,))[0]
+    rank = getattr(leaf, "shape", tf.TensorShape(None)).rank
+    size = leaf.shape[0] if rank else None
+    if size is None:
+        return 0
+    return size * strategy.num_replicas_in_sync if per_replica else size
+
+
+def _check_workers_agree(model, state, arguments):
+    """The Trainer's config agreement, for Keras `fit` on several workers:
+    one all-reduce of the settings that must match (a no-op on one)."""
+    strategy = model.distribute_strategy
+    agreement.check_agreement(strategy, {
+        "global_batch_size": _global_batch(strategy, arguments.get("x"),
+                                           arguments.get("batch_size")),
+        "grad_accum_steps": state.options.grad_accum_steps,
+        "steps_per_execution": int(model.steps_per_execution),
+        "steps_per_epoch": arguments.get("steps_per_epoch") or 0,
+        "epochs": arguments.get("epochs", 1),
+        "model variable shapes (fingerprint)":
+            agreement.shapes_fingerprint(model.variables),
+    })
 
 
 _FINITE_FIX = ("Pass an exact-once evaluation stream: tfmulti.distribute_"
