@@ -100,8 +100,8 @@ def test_nonfinite_loss_names_the_cause_from_evidence():
             r"the batch\(es\) of step 6 most likely hold NaN/inf")):
         trainer().fit(data(nan_input), steps=8, verbose=0)
     with pytest.raises(numerics.NonFiniteLossError, match=(
-            r"The weights hold NaN/inf before step 7 although every training "
-            r"loss so far was finite: '.*dense.*/kernel' has 8 of its 32 "
+            r"The weights hold NaN/inf after step 8 although every training "
+            r"loss was finite: '.*dense.*/kernel' has 8 of its 32 "
             r"values NaN/inf .* Likely cause: non-finite input that the "
             r"forward pass hid")):
         trainer("relu").fit(data(nan_input), steps=8, verbose=0)

@@ -253,6 +253,13 @@ class Trainer:
             allreduce_dtype=allreduce_dtype)
         self._loops = {}
         self._eval_fn = None
+        # NaN weights after finite losses stop training; and evidence for
+        # a non-finite loss's message (numerics.likely_cause). Skipping
+        # never writes NaN; a pipeline has its own loop.
+        self._weight_check = numerics.WeightCheck(
+            model.trainable_variables) if (
+                numerics.mode_for(optimizer, on_nonfinite) == "raise"
+                and self._pipeline is None) else None
         # The last `train_data` given to fit, its iterator and global batch:
         # the same object given again continues where it stopped.
         self._source = self._iterator = self._source_batch = None
@@ -318,7 +325,9 @@ class Trainer:
                     self.strategy), reducer=self._reducer,
                 jit_compile=self._jit_compile)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
-                train_step, strategy=self.strategy, metrics=self.metrics)
+                train_step, strategy=self.strategy, metrics=self.metrics,
+                before=[self._weight_check.record] if (
+                    self._weight_check) else [])
         return self._loops[global_batch_size]
 
     def _distribute(self, data, global_batch_size):
@@ -533,17 +542,15 @@ class Trainer:
         on_nonfinite = numerics.mode_for(self.optimizer, self._on_nonfinite)
         lengths = {}
         skips_in_a_row = [0]
-        # Evidence for a non-finite loss's message (read only then).
-        weight_check = numerics.WeightCheck(self.model.trainable_variables)
+        weight_check = self._weight_check
 
         def train_loop(start, n):
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
             if n not in lengths:
                 lengths[n] = tf.constant(n, tf.int32)
-            if on_nonfinite == "raise":
+            if weight_check is not None:
                 weight_check.take(start)
-                numerics.check_weights(weight_check)
             losses, metrics = train(iterator, lengths[n]) if (
                 self.metrics) else (train(iterator, lengths[n]), {})
             losses = losses.numpy()
@@ -611,9 +618,9 @@ class Trainer:
             train_loop, steps_per_loop=self._steps_per_loop,
             actions=loop_actions, agree=self._agree).run(
                 self.step, steps, stop=lambda: self.model.stop_training)
-        if on_nonfinite == "raise":
-            weight_check.take(self.step)
-            numerics.check_weights(weight_check)
+        if weight_check is not None:
+            # Once per fit; a checkpoint of NaN weights is refused anyway.
+            weight_check.check_now(step=self.step)
         callback_list.on_train_end(history)
         return history
 
