@@ -215,6 +215,10 @@ def likely_cause(losses, bad: int, *, first_step: int, previous=(),
         return (f"Likely cause: the loss overflowed (divergence): it grew "
                 f"from {lowest:.4g} to {before[-1]:.4g} in the steps before "
                 f"step {step}. Usual fixes: {diverge}")
+    if weights is None and not before:
+        return ("No evidence here tells the causes apart: non-finite input "
+                f"(check it for NaN/inf), divergence ({diverge[:-1]}), or a "
+                "corrupted weight.")
     if not np.isnan(losses[bad]):
         return (f"Likely cause: the loss overflowed at once (it is "
                 f"{float(losses[bad])}, not NaN). Usual fixes: {diverge} "
@@ -224,7 +228,7 @@ def likely_cause(losses, bad: int, *, first_step: int, previous=(),
                and weights.step is not None else "")
     ordinary = (f"the loss was ordinary until step {step - 1} "
                 f"({before[-1]:.4g}){checked}" if before else
-                f"this was the first step{checked}")
+                f"it is the first loss of this fit{checked}")
     return (f"Likely cause: non-finite input: {ordinary}, so the batch(es) of "
             f"step {step} most likely hold NaN/inf (or make the loss "
             "undefined, e.g. log(0)). Drop or fix such examples in the "
