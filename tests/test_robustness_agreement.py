@@ -41,15 +41,25 @@ def test_workers_that_differ_fail_clearly_before_training(tmp_path):
         assert ("`grad_accum_steps` differs across workers (worker 0 has 1, "
                 "worker 1 has 2)") in lines["CASE 5"]
     # Another model shape: named where TensorFlow's broadcast fails.
-    assert re.search(
-        r"CASE 6: ConfigMismatchError: The workers build different models: "
-        r"the variable 'sequential_\d+/dense_\d+/kernel' has shape \[4,4\] on "
-        r"worker 1 and \[4,3\] on another worker", results[1][1]), (
-            results[1][1][-3000:])
-    assert re.search(
-        r"CASE 6: RuntimeError: Worker 0 of 2: a peer stopped while the "
-        r"initial value of the variable 'sequential_\d+/dense_\d+/kernel' was "
-        r"broadcast", results[0][1]), results[0][1][-3000:]
+    _assert_one_names_the_mismatch(results, "CASE 6", (
+        r"ConfigMismatchError: The workers build different models: the "
+        r"variable 'sequential_\d+/dense_\d+/kernel' has shape "
+        r"(\[4,4\] on worker 1 and \[4,3\]|\[4,3\] on worker 0 and \[4,4\]) "
+        r"on another worker"))
+
+
+def _assert_one_names_the_mismatch(results, case, mismatch):
+    """Which worker meets the mismatch first varies from run to run
+    (measured): at least one names it, and the other either names it too or
+    says its peer stopped during the broadcast of a named variable."""
+    lines = [next((line for line in out.splitlines()
+                   if line.startswith(case + ": ")), "")
+             for _, out in results]
+    peer = (r"RuntimeError: Worker \d of 2: a peer stopped while the initial "
+            r"value of the variable '[^']+' .*was broadcast")
+    assert any(re.search(mismatch, line) for line in lines), lines
+    assert all(re.search(mismatch, line) or re.search(peer, line)
+               for line in lines), lines
 
 
 @pytest.mark.slow
@@ -61,14 +71,8 @@ def test_a_model_with_more_variables_on_one_worker_is_named(tmp_path):
                                   timeout=300)
     for _, out in results:
         assert "DONE" in out, out[-3000:]
-    assert re.search(
-        r"CASE 7: ConfigMismatchError: The workers build different models: "
-        r"worker 0's broadcast of the initial value of the variable "
-        r"'sgd/iteration' \(shape \[\]\) met another kind of collective",
-        results[0][1]), results[0][1][-3000:]
-    assert re.search(
-        r"CASE 7: ConfigMismatchError: The workers build different models: "
-        r"worker 1's broadcast of the initial value of the variable "
-        r"'sequential/dense_1/kernel'.* met another kind of collective on "
-        r"another worker, so the workers create different variables",
-        results[1][1]), results[1][1][-3000:]
+    _assert_one_names_the_mismatch(results, "CASE 7", (
+        r"ConfigMismatchError: The workers build different models: worker "
+        r"\d's broadcast of the initial value of the variable '[^']+'.* met "
+        r"another kind of collective on another worker, so the workers "
+        r"create different variables"))

@@ -8,7 +8,9 @@ on worker 0 and Dense(4) on worker 1): worker 1 failed at once with
 device /job:worker/replica:0/task:1/device:CPU:0 expected shape [4,4] but
 another member in the group expected shape [4,3]`, with no variable named;
 the chief then failed 10 s later with `UnavailableError: ... The following
-tasks are unhealthy (stopped sending heartbeats)`. The config fingerprint
+tasks are unhealthy (stopped sending heartbeats)`; in other runs the roles
+were swapped (which worker meets the mismatch first varies). The config
+fingerprint
 (`tfmulti.training.agreement`) cannot run before these broadcasts (the
 shapes exist only as the variables are made, and each is broadcast as it is
 made), so the broadcast's own error is translated here, per variable.
