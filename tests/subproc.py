@@ -11,11 +11,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from tfmulti import cluster as cluster_lib
 
 
 def _start(argv, env, cwd=None):
+    # faulthandler prints every thread's Python stack on SIGABRT: a process
+    # that runs past its bound says where it was (see _stacks).
+    env = dict(env, PYTHONFAULTHANDLER="1")
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, cwd=cwd)
@@ -30,15 +34,71 @@ def _kill(proc):
     proc.wait()
 
 
-def run_python(args, *, timeout=300, env=None, check=True, cwd=None):
-    """Runs `python ARGS` (in `cwd`) and returns (returncode, output)."""
+def _stacks(proc) -> str:
+    """Ends an overdue `proc` with SIGABRT and returns the end of its output,
+    which then holds faulthandler's stacks of every thread."""
+    try:
+        proc.send_signal(signal.SIGABRT)
+        out, _ = proc.communicate(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        return "(no stacks: the process did not answer SIGABRT)"
+    return (out or "")[-6000:]
+
+
+class Stalled(AssertionError):
+    """The process used no CPU for `stall_seconds` (see run_python)."""
+
+
+def _cpu_seconds(pid) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait(proc, timeout, stall_seconds):
+    """proc.communicate(), bounded by `timeout` and, if given, by
+    `stall_seconds` without CPU use."""
+    deadline = time.monotonic() + timeout
+    cpu, since = -1.0, time.monotonic()
+    while True:
+        now = time.monotonic()
+        try:
+            return proc.communicate(timeout=max(0.1, min(5.0, deadline - now)))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+        if stall_seconds is None:
+            continue
+        try:
+            used = _cpu_seconds(proc.pid)
+        except (OSError, IndexError):
+            continue
+        if used != cpu:
+            cpu, since = used, time.monotonic()
+        elif time.monotonic() - since >= stall_seconds:
+            raise Stalled(f"stalled: no CPU used for {stall_seconds}s")
+
+
+def run_python(args, *, timeout=300, env=None, check=True, cwd=None,
+               stall_seconds=None):
+    """Runs `python ARGS` (in `cwd`) and returns (returncode, output).
+
+    With `stall_seconds`, a process that uses no CPU that long is ended too
+    and raises `Stalled` (with its threads' stacks).
+    """
     proc = _start([sys.executable, *args], dict(os.environ, **(env or {})),
                   cwd=cwd)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+        out, _ = _wait(proc, timeout, stall_seconds)
+    except Stalled as stalled:
+        stacks = _stacks(proc)
         _kill(proc)
-        raise AssertionError(f"python {args} ran past {timeout}s")
+        raise Stalled(f"python {args} {stalled}; its end:\n{stacks}")
+    except subprocess.TimeoutExpired:
+        stacks = _stacks(proc)
+        _kill(proc)
+        raise AssertionError(f"python {args} ran past {timeout}s; its end:\n"
+                             f"{stacks}")
     finally:
         _kill(proc)
     if check and proc.returncode != 0:
@@ -74,7 +134,8 @@ def run_workers(args, num_workers, *, timeout=300, env=None, check=True,
                 out, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 raise AssertionError(
-                    f"worker {i} of python {args} ran past {timeout}s")
+                    f"worker {i} of python {args} ran past {timeout}s; its "
+                    f"end:\n{_stacks(proc)}")
             results.append((proc.returncode, out))
     finally:
         for proc in procs:

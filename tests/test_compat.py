@@ -84,3 +84,15 @@ def test_checkpoint_readers_still_glob(tmp_path):
     with compat.readable_checkpoint(prefix) as readable:
         checkpoint.restore(readable)
     assert float(checkpoint.v) == 1.0
+
+
+def test_distributed_iterator_deletion_still_blocks():
+    # Stock distributed iterators of an autotuned dataset, aged 4 s: one of
+    # 30 deletions at least blocks on its autotune thread; through tfmulti
+    # (no autotune in distributed input) none does.
+    _, out = run_python(["tests/workers/iterator_deletion.py", "30", "4"],
+                        timeout=300)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["workaround"], result
+    assert result["blocked"]["tfmulti_distributed"] == [], result
+    assert result["blocked"]["stock_distributed"], f"{FIXED}. {result}"

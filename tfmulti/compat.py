@@ -13,8 +13,11 @@ a guard test in `tests/test_compat.py`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import tempfile
+import warnings
 
 import keras
 import tensorflow as tf
@@ -79,6 +82,10 @@ class KerasMultiWorkerMirroredStrategy(
     """MultiWorkerMirroredStrategy whose `reduce` accepts what Keras 3 passes:
     it maps over nested structures and reduces rank-0 values across replicas
     only, which is what a mean over axis 0 of a scalar per replica means."""
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        check_keras_step(self, fn, args)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def reduce(self, reduce_op, value, axis=None):
         reduce_one = super().reduce
@@ -199,6 +206,236 @@ def unscaled_keras_loss(loss, strategy):
     return loss * strategy.num_replicas_in_sync
 
 
+# --- Collective instance keys bound at call time (MirroredStrategy) --------
+# Symptom: TensorFlow's "Custom training with tf.distribute.Strategy"
+# tutorial (optimizer built by its first `apply_gradients` inside
+# `tf.function(strategy.run(...))`) and plain Keras `fit` with
+# `steps_per_execution > 1` fail under MirroredStrategy: "InvalidArgument
+# Error: You must feed a value for placeholder tensor 'cond/else/_1/cond/
+# Placeholder' with dtype int32". Cause: `distribute/cross_device_utils.py`
+# `_next_instance_key` takes each collective's instance key from
+# `capture_call_time_value`, a placeholder fed when the OUTER function is
+# called; a collective inside a function called from a `tf.cond` branch
+# (tf.function's `fn_with_cond` for variables made on the first call,
+# Keras's `tf.while_loop`/`tf.cond` around each step) leaves it unfed.
+# Call-time keys let workers that retrace at different times agree; one
+# process has no such peers, so keys fixed at trace time are as safe (TF
+# did that before 2.5). Set on the launchers of tfmulti's mirrored
+# strategies only, never globally. Checked: TF 2.21.0, Keras 3.15.1.
+# Guard: tests/conformance/test_compat_guards.py::test_stock_mirrored_
+# tutorial_still_fails.
+_log = logging.getLogger(__name__)
+
+
+def _trace_time_instance_keys():
+    return False
+
+
+def bind_collective_keys_at_trace_time(strategy) -> bool:
+    """Makes `strategy`'s collectives take instance keys at trace time.
+
+    Only for a single-process MirroredStrategy whose all-reduce is
+    `CollectiveAllReduce` (TensorFlow's default on CPUs and GPUs).
+
+    Returns:
+      Whether the strategy was changed.
+    """
+    ops = getattr(strategy.extended, "_collective_ops", None)
+    launchers = getattr(ops, "_launchers", None)
+    if not launchers or not all(
+            callable(getattr(l, "_use_unique_instance_key", None))
+            for l in launchers):
+        _log.warning(
+            "tfmulti: this TensorFlow (%s) changed its collective launchers; "
+            "a custom loop whose optimizer is built by its first step, and "
+            "Keras fit with steps_per_execution > 1, may fail under "
+            "MirroredStrategy. Call optimizer.build(model.trainable_variables)"
+            " under strategy.scope() first, or use tfmulti.keras.distributed.",
+            tf.__version__)
+        return False
+    for launcher in launchers:
+        launcher._use_unique_instance_key = _trace_time_instance_keys
+    return True
+
+
+# --- Keras reduces the first batch to build the model ----------------------
+# Symptom: a global batch not divisible by the replicas (64 on 3) crashes
+# `fit` and `evaluate` before the first step: "Inputs to operation AddN ...
+# must have the same size and shape [22,10] != [21,10]". Cause:
+# `keras/src/backend/tensorflow/trainer.py` `_maybe_symbolic_build` calls
+# `strategy.reduce("MEAN", first_batch, axis=None)` only to get a batch
+# whose shapes build the model. tfmulti's strategies answer that one caller
+# with the first replica's batch and refuse everyone else with the shapes
+# and the fix. Checked: Keras 3.15.1. Guard: tests/conformance/
+# test_compat_guards.py::test_keras_still_reduces_the_first_batch.
+_KERAS_BUILD_CALLER = "_maybe_symbolic_build"
+
+
+def called_by_keras_build() -> bool:
+    """Whether the running `strategy.reduce` was called by Keras's build."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _KERAS_BUILD_CALLER:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def local_batch_sizes(strategy, batch):
+    """Static first dimension of the first tensor of `batch` per local
+    replica (None where unknown), or None if `batch` is not per-replica."""
+    leaves = [t for t in tf.nest.flatten(batch, expand_composites=False)
+              if t is not None]
+    if not leaves:
+        return None
+    local = strategy.experimental_local_results(leaves[0])
+    sizes = []
+    for t in local:
+        shape = getattr(t, "shape", None)
+        sizes.append(None if shape is None or shape.rank in (None, 0)
+                     else shape[0])
+    return sizes
+
+
+def unequal_shapes_error(strategy, value) -> ValueError | None:
+    """A clear error if `value`'s per-replica parts differ in shape."""
+    for leaf in tf.nest.flatten(value):
+        local = strategy.experimental_local_results(leaf)
+        shapes = [tuple(getattr(t, "shape", ())) for t in local]
+        if len(set(shapes)) > 1:
+            n = strategy.num_replicas_in_sync
+            total = sum(s[0] for s in shapes if s and s[0] is not None)
+            return ValueError(
+                f"The replicas hold values of different shapes {shapes}: the "
+                f"global batch ({total}) is not divisible by the {n} "
+                f"replicas. Use a global batch that is a multiple of {n} "
+                f"(e.g. {total - total % n or n} or {total + n - total % n}).")
+    return None
+
+
+# --- Keras's train step weights each replica's loss by 1/replicas ----------
+# Symptom: with a partial last batch (330 examples, batch 32: 10 examples
+# split 3,3,2,2 over 4 replicas) or a global batch not divisible by the
+# replicas, plain `fit` drifts from one device (4e-2 in two epochs, with
+# sample weights). Cause: `keras/src/losses/loss.py` `reduce_values` takes
+# each replica's mean and `scale_loss_for_distribution` multiplies it by
+# 1/num_replicas whatever that replica's share (k#19891: loss and metrics
+# change with the replica count). Keras cannot be told the shares without
+# patching it: tfmulti's strategies warn once, at trace time, when Keras's
+# stock train step sees per-replica batches of unequal or unknown size, and
+# name the fix (`tfmulti.keras.distributed` weights exactly). Checked:
+# Keras 3.15.1. Guard: tests/conformance/test_conformance.py::test_uneven_
+# last_batch_plain_fit_warns_once (plain fit still differs and warns).
+_warned_uneven = set()
+
+
+def is_keras_train_step(fn) -> bool:
+    """Whether `fn` is a Keras model's stock `train_step` (bound)."""
+    model = getattr(fn, "__self__", None)
+    return (getattr(fn, "__name__", None) == "train_step" and
+            isinstance(model, keras.Model))
+
+
+_warned_custom_step = set()
+
+
+def check_keras_step(strategy, fn, args) -> None:
+    """What tfmulti's strategies check when Keras runs a step on them: a
+    jit-compiled step (refused), a custom step's logged loss (warned), an
+    uneven batch for Keras's own train step (warned)."""
+    model = getattr(fn, "__self__", None)
+    n = strategy.num_replicas_in_sync
+    if n < 2 or not isinstance(model, keras.Model) or getattr(
+            fn, "__name__", None) not in ("train_step", "test_step"):
+        return
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        # keras-team/keras#21366: XLA compiles `strategy.run` itself, then
+        # fails at run time: "Trying to access resource .../replica_1/...
+        # located in device CPU:1 from device CPU:0".
+        raise ValueError(
+            f"`jit_compile`=True on {model.name!r} makes Keras compile its "
+            f"whole step, `strategy.run` over the {n} replicas included, "
+            "with XLA, which cannot reach the other replicas' variables. "
+            "Compile with jit_compile=False, or call "
+            "tfmulti.keras.distributed(model) after compile.")
+    if getattr(type(model), fn.__name__) is not getattr(
+            keras.Model, fn.__name__) and id(model) not in _warned_custom_step:
+        # Keras losses under a strategy return each replica's mean / N
+        # (`scale_loss_for_distribution`); the keras-io guide's custom
+        # `train_step` logs that value with `metric.update_state(loss)`.
+        _warned_custom_step.add(id(model))
+        warnings.warn(
+            f"tfmulti: {type(model).__name__} overrides `{fn.__name__}`. "
+            f"Under a strategy with {n} replicas a Keras loss (and "
+            f"`self.compute_loss`) returns each replica's mean divided by "
+            f"{n}: gradients come out right, but a loss logged from it "
+            f"(e.g. `metric.update_state(loss)`) reads {n} times too small. "
+            "Log `loss * self.distribute_strategy.num_replicas_in_sync`.",
+            UserWarning, stacklevel=3)
+    if fn.__name__ == "train_step":
+        warn_if_keras_step_uneven(strategy, fn, args)
+
+
+def warn_if_keras_step_uneven(strategy, fn, args) -> None:
+    """Warns once per model if Keras's train step may get unequal shares."""
+    n = strategy.num_replicas_in_sync
+    if n < 2 or not args or not is_keras_train_step(fn):
+        return
+    model = fn.__self__
+    sizes = local_batch_sizes(strategy, args[0])
+    if sizes is None:
+        return
+    if None not in sizes and len(set(sizes)) == 1:
+        return
+    if id(model) in _warned_uneven:
+        return
+    _warned_uneven.add(id(model))
+    what = ("unknown until run time (the last batch may be partial)"
+            if None in sizes else f"{sizes}")
+    warnings.warn(
+        f"tfmulti: Keras `fit` weights each of the {n} replicas' mean loss "
+        f"by 1/{n} whatever its share of the global batch, and the "
+        f"per-replica batch sizes here are {what}: a partial or uneven "
+        "batch gives a different update than one device. Batch the data "
+        f"with drop_remainder=True and a global batch divisible by {n}, or "
+        "call tfmulti.keras.distributed(model) after compile, which weights "
+        "each replica by its real share.", UserWarning, stacklevel=3)
+
+
+class KerasMirroredStrategy(tf.distribute.MirroredStrategy):
+    """MirroredStrategy that tells Keras 3 users what it cannot do right:
+    `run` warns once when Keras's own train step gets per-replica batches of
+    unequal or unknown size; `reduce` answers Keras's first-batch build when
+    the global batch is not divisible by the replicas and refuses other
+    callers with the shapes."""
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        check_keras_step(self, fn, args)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def reduce(self, reduce_op, value, axis=None):
+        if axis is None:
+            error = unequal_shapes_error(self, value)
+            if error is not None:
+                if called_by_keras_build():
+                    # Keras only needs a batch whose shapes build the model.
+                    return tf.nest.map_structure(
+                        lambda v: self.experimental_local_results(v)[0],
+                        value)
+                raise error
+        return super().reduce(reduce_op, value, axis=axis)
+
+
+def mirrored_strategy_class():
+    """The MirroredStrategy class to build for this Keras."""
+    return (KerasMirroredStrategy if keras_major() >= 3
+            else tf.distribute.MirroredStrategy)
+
+
 # --- Checkpoint readers glob the prefix ------------------------------------
 # Symptom: `tf.train.Checkpoint.restore` and `tf.train.load_checkpoint` of a
 # prefix whose path contains `[` `]` (or `*`, `?`) fail: "Unsuccessful
@@ -223,3 +460,63 @@ def readable_checkpoint(prefix: str):
                 os.symlink(os.path.join(directory, name),
                            os.path.join(links, name))
         yield os.path.join(links, stem)
+
+
+# --- Deleting an autotuned tf.data iterator can stop the process ----------
+# Symptom: deleting a tf.data iterator whose pipeline is autotuned joins its
+# `tf_data_model` thread (`Model::OptimizeLoop`). The iterator's
+# cancellation callback wakes that thread, but the CancellationManager
+# marks itself cancelled only after running its callbacks (tsl
+# cancellation.cc), so the woken thread can see "not cancelled" and sleep
+# out the rest of its optimisation period (doubling up to 60 s). The Python
+# thread dropping the last reference (usually the cyclic GC, in the middle
+# of a later trace) holds the GIL meanwhile: the whole process sits at 0
+# CPU for up to 60 s per iterator (gdb: the main thread in
+# `~LogicalThreadWrapper` <- `RootDataset::Iterator::~Iterator`, joining
+# the thread in `OptimizeLoop`'s timed wait). A distributed iterator holds
+# several (its source on the host, one per device). Measured with
+# tests/workers/iterator_deletion.py: plain iterators block on TF 2.18.1
+# and 2.20.0 (7 and 5 of 30, 20-60 s each) but not on 2.21.0; distributed
+# ones block on every version checked, 2.21.0 included (1-31 s). In
+# distributed fit's golden run: one GC pause of 98-271 s in about half the
+# runs on TF 2.18.1, 2.19.1 and 2.20.0. Checked: TF 2.18.1, 2.19.1, 2.20.0,
+# 2.21.0.
+# Workaround: the datasets of distributed input (what a MultiDeviceIterator
+# iterates: its source on the host and its per-device datasets) run
+# without autotune, so no model thread is joined. Installed once, when
+# tfmulti first imports TensorFlow (this module). Other autotuned
+# iterators in the process (plain `iter(dataset)`) are left alone.
+# Guard: test_compat.py::test_distributed_iterator_deletion_still_blocks.
+def _without_autotune(dataset):
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+def _distribute_without_autotune() -> None:
+    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+    if getattr(mdi, "_tfmulti_without_autotune", False):
+        return
+    create_device_dataset = mdi._create_device_dataset
+    owned_init = mdi.OwnedMultiDeviceIterator.__init__
+
+    def device_dataset(*args, **kwargs):
+        return _without_autotune(create_device_dataset(*args, **kwargs))
+
+    def init(self, dataset=None, *args, **kwargs):
+        if dataset is not None:
+            dataset = _without_autotune(dataset)
+        owned_init(self, dataset, *args, **kwargs)
+
+    mdi._create_device_dataset = device_dataset
+    mdi.OwnedMultiDeviceIterator.__init__ = init
+    mdi._tfmulti_without_autotune = True
+
+
+def distributed_input_autotuned() -> bool:
+    """False once the workaround above is installed in this process."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+    return not getattr(mdi, "_tfmulti_without_autotune", False)
+
+
+_distribute_without_autotune()

@@ -261,15 +261,19 @@ _KEY_BASES = itertools.count(0, 100_000)
 
 
 def _mirrored(devices, cross_device_ops):
-    cls = tf.distribute.MirroredStrategy
+    cls = compat.mirrored_strategy_class()
     previous = cls._collective_key_base
     # The extended strategy copies the class attribute when it is built;
     # TensorFlow's own tests separate strategies the same way.
     cls._collective_key_base = next(_KEY_BASES)
     try:
-        return cls(devices, cross_device_ops=cross_device_ops)
+        strategy = cls(devices, cross_device_ops=cross_device_ops)
     finally:
         cls._collective_key_base = previous
+    # Keras fit with steps_per_execution > 1 and lazily built optimizers
+    # in custom loops need trace-time collective keys (see compat).
+    compat.bind_collective_keys_at_trace_time(strategy)
+    return strategy
 
 
 def _mirrored_ops(all_reduce):

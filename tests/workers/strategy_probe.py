@@ -11,9 +11,17 @@ import tfmulti
 count = int(sys.argv[1])
 devices = tfmulti.simulate_devices(count)
 result = {"devices": devices, "created": {}, "errors": {}}
+
+
+def _tf_class(strategy):
+    # tfmulti subclasses TF's strategies for Keras compatibility.
+    return next(c.__name__ for c in type(strategy).__mro__
+                if c.__module__.startswith("tensorflow"))
+
+
 for name in ("auto", "one_device", "mirrored"):
     s = tfmulti.create_strategy(name, cluster=tfmulti.ClusterConfig())
-    result["created"][name] = [type(s).__name__, s.num_replicas_in_sync]
+    result["created"][name] = [_tf_class(s), s.num_replicas_in_sync]
 import warnings  # noqa: E402
 
 with warnings.catch_warnings(record=True) as caught:
@@ -26,7 +34,7 @@ with warnings.catch_warnings(record=True) as caught:
 # An explicit per-collective timeout warns once per process (issue 19).
 result["timeout_warnings"] = [str(w.message) for w in caught
                               if "timeout_seconds" in str(w.message)]
-result["created"]["mirrored_subset"] = [type(s).__name__,
+result["created"]["mirrored_subset"] = [_tf_class(s),
                                         s.num_replicas_in_sync]
 opts = tfmulti.strategies.communication_options(s)
 # Mirrored strategies over different device sets in one process: each

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import keras
 import tensorflow as tf
@@ -76,6 +77,12 @@ def _check_model(model):
             "tfmulti.keras.distributed would silently replace with tfmulti's "
             "step. Override `compute_loss` / `compute_metrics` instead, or "
             "use tfmulti.Trainer.")
+    if "train_step" in vars(model):
+        raise ValueError(
+            f"`model.train_step` of {model.name!r} was replaced on the "
+            "instance, which tfmulti.keras.distributed would silently "
+            "bypass with tfmulti's step. Override `compute_loss` / "
+            "`compute_metrics` instead, or use tfmulti.Trainer.")
     _check_accumulation(model.optimizer)
 
 
@@ -106,6 +113,96 @@ class _State:
         # (Keras would report a loss of 0.0).
         self.eval_arg = "x"
         self.eval_batches = 0
+        # Extra keys of an overridden `compute_metrics` (a `_Logs`).
+        self.train_extras = None
+        self.warned_weighting = False
+
+
+def _overrides(model, name) -> bool:
+    """Whether `model` overrides Keras's method `name` (class or instance)."""
+    return name in vars(model) or (
+        getattr(type(model), name) is not getattr(keras.Model, name))
+
+
+class _Logs:
+    """Values a replica step returns that are not the model's metrics.
+
+    Each replica keeps its value times its number of examples, and the
+    examples, in sync-on-read SUM variables: a cross-replica read is the
+    mean over replicas weighted by their real shares, which is the
+    one-device value of a per-batch mean even when a batch splits unevenly
+    (Keras's own step functions take the plain mean over replicas). Names
+    of the model's metrics are read from the metrics themselves (summed
+    over replicas), so they equal one device where a per-replica `result()`
+    would not.
+    """
+
+    def __init__(self, model, specs, keys):
+        self.keys = list(keys)
+        self.variables = {}
+
+        def zeros(shape):
+            return tf.Variable(
+                tf.zeros(shape, tf.float32), trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM)
+
+        with model.distribute_strategy.scope():
+            self.examples = zeros([])
+            for key, spec in specs.items():
+                if key in self.keys and key not in _metric_names(model):
+                    self.variables[key] = zeros(spec.shape)
+
+    def capture(self, logs, batch):
+        """In replica context: keeps this replica's values of `logs`."""
+        examples = tf.cast(tf.shape(step_lib.first_tensor(batch))[0],
+                           tf.float32)
+        self.examples.assign(examples)
+        for key, variable in self.variables.items():
+            variable.assign(tf.cast(logs[key], tf.float32) * examples)
+
+    def read(self, metric_results):
+        """In cross-replica context: the logs, in the step's key order."""
+        examples = self.examples.read_value()
+        return {key: tf.math.divide_no_nan(self.variables[key].read_value(),
+                                           examples)
+                if key in self.variables else metric_results[key]
+                for key in self.keys}
+
+
+def _metric_names(model):
+    return set(model.get_metrics_result().keys())
+
+
+def _discover_logs(model, replica_fn, element_spec):
+    """Traces `strategy.run(replica_fn)` once, without running it, and
+    returns the specs of the dict it returns."""
+    found = []
+
+    def record(batch):
+        logs = replica_fn(batch)
+        if not isinstance(logs, dict):
+            raise ValueError(
+                f"{replica_fn.__name__} of {model.name!r} returned "
+                f"{type(logs).__name__}; tfmulti.keras.distributed needs a "
+                "dict of logs (name -> scalar), as Keras's own steps return.")
+        if not found:
+            found.append({k: tf.TensorSpec(tf.convert_to_tensor(v).shape,
+                                           tf.convert_to_tensor(v).dtype)
+                          for k, v in logs.items()})
+        return tf.constant(0.0)
+
+    strategy = model.distribute_strategy
+    tf.function(lambda b: strategy.run(record, args=(b,))
+                ).get_concrete_function(element_spec)
+    for key, spec in found[0].items():
+        if not spec.shape.is_fully_defined():
+            raise ValueError(
+                f"The log {key!r} returned by {replica_fn.__name__} of "
+                f"{model.name!r} has shape {spec.shape}; "
+                "tfmulti.keras.distributed needs logs of a fixed shape "
+                "(scalars).")
+    return found[0]
 
 
 class _Chunk(keras.callbacks.Callback):
@@ -151,26 +248,102 @@ def _steps_this_call(model, state):
     return min(per_call, remaining)
 
 
+def _forward(model, x, y, sample_weight, *, training):
+    """Predictions and the compiled loss as Keras's own steps compute them;
+    `_compute_loss` accepts a pre-3.3 `compute_loss(x, y, y_pred,
+    sample_weight)` override as Keras does."""
+    if compat.call_has_training_arg(model):
+        y_pred = model(x, training=training)
+    else:
+        y_pred = model(x)
+    return y_pred, model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                       sample_weight=sample_weight,
+                                       training=training)
+
+
+def _loss_reduction(model):
+    """"sum_over_batch_size" or "sum" if every compiled loss reduces that
+    way (or there is none), else None: how Keras's compiled loss treats a
+    replica's batch. Read after the loss was built (at trace time)."""
+    compiled = getattr(model, "_compile_loss", None)
+    flat = getattr(compiled, "_flat_losses", None) if compiled else []
+    if flat is None:
+        return None
+    reductions = {getattr(entry[1], "reduction", None) for entry in flat}
+    if not reductions:
+        return "sum"
+    if len(reductions) == 1 and reductions <= {"sum_over_batch_size",
+                                               "sum"}:
+        return reductions.pop()
+    return None
+
+
+def _warn_weighting_once(model, state, why):
+    if state.warned_weighting:
+        return
+    state.warned_weighting = True
+    warnings.warn(
+        f"tfmulti.keras.distributed cannot weight a partial or uneven batch "
+        f"by each replica's share for {model.name!r}: {why}. Each replica's "
+        "loss keeps Keras's 1/replicas weight, so such a batch gives a "
+        "different update than one device. Batch the training data with "
+        "drop_remainder=True and a global batch divisible by the replicas.",
+        UserWarning, stacklevel=2)
+
+
 def _compute_loss_fn(model):
     strategy = model.distribute_strategy
+    num_replicas = strategy.num_replicas_in_sync
+    state = getattr(model, _STATE)
+    custom_loss = _overrides(model, "compute_loss")
 
-    def compute_loss(x, y, sample_weight):
+    def compute_loss(x, y, sample_weight, global_batch=None):
         # What Keras's `train_step` does, minus the gradient: the compiled
-        # loss is already this replica's share (Keras scales it by
-        # 1/replicas under a strategy), the tracker gets the local mean.
-        if compat.call_has_training_arg(model):
-            y_pred = model(x, training=True)
+        # loss is this replica's mean scaled by 1/replicas (Keras).
+        y_pred, loss = _forward(model, x, y, sample_weight, training=True)
+        local = tf.cast(tf.shape(step_lib.first_tensor(x))[0], loss.dtype)
+        if global_batch is None:
+            tracked = loss * num_replicas
         else:
-            y_pred = model(x)
-        loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
-                                  sample_weight=sample_weight, training=True)
-        compat.loss_tracker(model).update_state(
-            compat.unscaled_keras_loss(loss, strategy),
-            sample_weight=tf.shape(
-                next(t for t in tf.nest.flatten(x) if t is not None))[0])
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            global_batch = tf.cast(global_batch, loss.dtype)
+            reduction = None if custom_loss else _loss_reduction(model)
+            if reduction == "sum_over_batch_size":
+                # Weight the data term by this replica's real share: its
+                # mean times local/global, not times 1/replicas. The
+                # regularisation terms are the same on every replica and
+                # keep 1/replicas.
+                extra = tf.zeros_like(loss)
+                for term in model.losses:
+                    extra += tf.cast(model._aggregate_additional_loss(term),
+                                     loss.dtype)
+                loss = (loss - extra) * (
+                    num_replicas * local / global_batch) + extra
+            elif reduction is None:
+                _warn_weighting_once(
+                    model, state, "it overrides `compute_loss`" if custom_loss
+                    else "its compiled losses do not all use the "
+                    "'sum_over_batch_size' reduction")
+            # Summed over replicas, value x weight is the batch's loss x its
+            # size, as one device tracks it.
+            tracked = tf.math.divide_no_nan(loss * global_batch, local)
+        compat.loss_tracker(model).update_state(tracked, sample_weight=local)
+        logs = model.compute_metrics(x, y, y_pred,
+                                     sample_weight=sample_weight)
+        if state.train_extras is not None:
+            state.train_extras.capture(logs, x)
         return loss, y_pred
     return compute_loss
+
+
+def _train_metrics_logs(model):
+    """The logs of `compute_metrics` in training (for the key discovery)."""
+    def replica_fn(batch):
+        x, y, sample_weight = step_lib.unpack_batch(batch)
+        y_pred, _ = _forward(model, x, y, sample_weight, training=True)
+        return model.compute_metrics(x, y, y_pred,
+                                     sample_weight=sample_weight)
+    replica_fn.__name__ = "compute_metrics"
+    return replica_fn
 
 
 def _metrics_function(model):
@@ -205,19 +378,31 @@ def _make_train_function(model, force=False):
         reducer=state.reducer, jit_compile=state.jit_compile)
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = _metrics_function(model)
+    extras_read = None
 
     def train_function(iterator):
+        nonlocal extras_read
         if not isinstance(iterator, tf.distribute.DistributedIterator):
             raise ValueError(
                 "A model made by tfmulti.keras.distributed trains from the "
                 f"distributed iterator `fit` makes; got "
                 f"{type(iterator).__name__} (train_on_batch is not "
                 "supported: use fit).")
+        if extras_read is None and _overrides(model, "compute_metrics"):
+            # Extra keys of a `compute_metrics` override reach the history,
+            # as in Keras; known only by tracing it once.
+            specs = _discover_logs(model, _train_metrics_logs(model),
+                                   iterator.element_spec)
+            state.train_extras = _Logs(model, specs, specs.keys())
+            extras_read = tf.function(
+                lambda: state.train_extras.read(model.get_metrics_result()))
         # A label or shape that does not fit is named as in the Trainer;
         # running out of data ends Keras's epoch, as in Keras.
         with data_checks.translated(iterator.element_spec, arg="x"):
             train(iterator,
                   tf.constant(_steps_this_call(model, state), tf.int32))
+        if extras_read is not None:
+            return extras_read()
         return results()
 
     model.train_function = train_function
@@ -228,6 +413,13 @@ def _make_test_function(model, force=False):
     if model.test_function is not None and not force:
         return model.test_function
     strategy = model.distribute_strategy
+    state = getattr(model, _STATE)
+    state.test_logs = None
+
+    def test_step(batch):
+        logs = model.test_step(batch)
+        if state.test_logs is not None:
+            state.test_logs.capture(logs, batch)
 
     @tf.function
     def run(iterator, num_steps):
@@ -239,14 +431,26 @@ def _make_test_function(model, force=False):
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
                 break
-            strategy.run(model.test_step, args=(batch.get_value(),))
+            strategy.run(test_step, args=(batch.get_value(),))
             done += 1
         return done
 
     results = _metrics_function(model)
-    state = getattr(model, _STATE)
+    custom_read = None
 
     def test_function(iterator):
+        nonlocal custom_read
+        if custom_read is None and (_overrides(model, "test_step") or
+                                    _overrides(model, "compute_metrics")):
+            # A custom `test_step`'s own logs (or those of Keras's, through
+            # a `compute_metrics` override) are what Keras's evaluate
+            # returns: keep them (metric names read globally).
+            specs = _discover_logs(model, model.test_step,
+                                   iterator.element_spec)
+            logs = _Logs(model, specs, specs.keys())
+            state.test_logs = logs
+            custom_read = tf.function(
+                lambda: logs.read(model.get_metrics_result()))
         steps = int(model.steps_per_execution)
         with watchdog.calling(strategy), data_checks.translated(
                 iterator.element_spec, arg=state.eval_arg):
@@ -257,6 +461,8 @@ def _make_test_function(model, force=False):
             # StopIteration would stop it too, but Keras 3.15 then warns
             # "Your input ran out of data; interrupting training".
             model.stop_evaluating = True
+        if custom_read is not None:
+            return custom_read()
         return results()
 
     model.test_function = test_function

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti import watchdog
+from tfmulti.training import replica_statistics
 from tfmulti.training import xla as xla_lib
 
 
@@ -80,6 +81,9 @@ def create_train_loop(step_fn, *, strategy, metrics=(), before=()):
                       for array, value in zip(values, local)]
         losses = sum_over_replicas(strategy, tf.add_n(
             [array.stack() for array in values]))
+        # Evaluation, get_weights and checkpoints then see one value of
+        # BatchNorm's moving statistics, not replica 0's or each replica's.
+        replica_statistics.average(strategy, getattr(step_fn, "model", None))
         if not metrics:
             return losses
         return losses, {m.name: m.result() for m in metrics}

@@ -11,6 +11,7 @@ optimizer that does not reduce again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import tensorflow as tf
@@ -70,9 +71,47 @@ def unpack_batch(batch):
         "dataset to such tuples.")
 
 
+def first_tensor(x):
+    """The first tensor of a (nested) batch: its rows are the examples."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def _equal_shares(strategy, batch) -> bool:
+    """Whether every replica surely holds global_batch / N examples: known
+    at trace time when the static batch sizes of this process's replicas
+    agree (drop_remainder=True, a divisible global batch).
+
+    Other workers' shapes are not visible here; their static shapes come
+    from the same input pipeline (the same element spec on every worker),
+    so equal static sizes here mean equal sizes there, and the update keeps
+    its one all-reduce. A partial batch has no static size anywhere.
+    """
+    local = strategy.experimental_local_results(batch)
+    sizes = set()
+    for part in local:
+        shape = first_tensor(part).shape
+        sizes.add(None if shape.rank in (None, 0) else shape[0])
+    return len(sizes) == 1 and None not in sizes
+
+
+def _accepts_global_batch(compute_loss) -> bool:
+    try:
+        return "global_batch" in inspect.signature(compute_loss).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class TrainStep:
     """One optimizer update over K micro-batches, called in cross-replica
     context (inside a `tf.function`) with a distributed iterator.
+
+    A partial or uneven batch (the last batch of an epoch split 3,3,2,2 over
+    4 replicas; 64 examples on 3 replicas) must give the one-device update:
+    each replica's loss is its share of the micro-batch's ACTUAL global
+    batch. When the shares cannot be known at trace time, the step sums the
+    replicas' batch sizes (one scalar all-reduce) and passes the sum to
+    `compute_loss` as `global_batch`, if it takes that keyword; with equal
+    static shares it passes None and costs nothing.
 
     Args:
       strategy: the `tf.distribute.Strategy` the variables live in.
@@ -82,6 +121,9 @@ class TrainStep:
       compute_loss: `compute_loss(x, y, sample_weight) -> (loss, y_pred)`,
         called in replica context; `loss` is this replica's share of the
         micro-batch loss (`tf.nn.compute_average_loss` with the global batch).
+        If it takes a keyword `global_batch`, it gets None (every replica
+        holds global/N examples) or the micro-batch's actual global batch
+        size (a float32 scalar) to divide by instead.
       options: `GradientOptions`.
       metrics: Keras metrics updated with `(y, y_pred, sample_weight)`.
       communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -105,6 +147,9 @@ class TrainStep:
         self._model = model
         self._optimizer = optimizer
         self._compute_loss = compute_loss
+        self._takes_global_batch = _accepts_global_batch(compute_loss)
+        # Set at trace time by __call__ for the batch being traced.
+        self._equal_shares = True
         self._options = options
         self._metrics = tuple(metrics)
         self._communication_options = communication_options
@@ -132,14 +177,31 @@ class TrainStep:
     def options(self) -> GradientOptions:
         return self._options
 
+    def _global_batch(self, x):
+        if self._equal_shares:
+            return None
+        local = tf.cast(tf.shape(first_tensor(x))[0], tf.float32)
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, local,
+            options=self._communication_options)
+
     @property
     def model(self):
         return self._model
 
-    def _local_gradients(self, batch):
+    def _shares(self, batch):
+        # Computed outside `_replica_gradients`: an XLA-compiled replica
+        # function cannot hold the all-reduce.
+        if not self._takes_global_batch:
+            return None
+        return self._global_batch(unpack_batch(batch)[0])
+
+    def _local_gradients(self, batch, global_batch=None):
         x, y, sample_weight = unpack_batch(batch)
+        kwargs = ({"global_batch": global_batch}
+                  if self._takes_global_batch else {})
         with tf.GradientTape() as tape:
-            loss, y_pred = self._compute_loss(x, y, sample_weight)
+            loss, y_pred = self._compute_loss(x, y, sample_weight, **kwargs)
             loss = loss / self._options.grad_accum_steps
             # A LossScaleOptimizer's scale (or `loss_scale_factor`); the
             # optimizer divides it out again in `apply`.
@@ -150,14 +212,14 @@ class TrainStep:
         return loss, grads
 
     def _accumulate(self, batch, loss_so_far):
-        loss, grads = self._replica_gradients(batch)
+        loss, grads = self._replica_gradients(batch, self._shares(batch))
         for acc, g in zip(self._accumulators, grads):
             if g is not None:
                 acc.assign_add(tf.convert_to_tensor(g))
         return loss + loss_so_far
 
     def _update(self, batch, loss_so_far):
-        loss, grads = self._replica_gradients(batch)
+        loss, grads = self._replica_gradients(batch, self._shares(batch))
         if self._accumulators:
             grads = [None if g is None else tf.convert_to_tensor(g) +
                      acc.read_value()
@@ -187,8 +249,11 @@ class TrainStep:
         # computes its gradient, adds the accumulated ones, reduces once and
         # applies. K=1 is a single fused step with no accumulator variables.
         for _ in range(self._options.grad_accum_steps - 1):
-            loss = self._strategy.run(self._accumulate,
-                                      args=(next(iterator), loss))
-        loss = self._strategy.run(self._update, args=(next(iterator), loss))
+            batch = next(iterator)
+            self._equal_shares = _equal_shares(self._strategy, batch)
+            loss = self._strategy.run(self._accumulate, args=(batch, loss))
+        batch = next(iterator)
+        self._equal_shares = _equal_shares(self._strategy, batch)
+        loss = self._strategy.run(self._update, args=(batch, loss))
         self.reducer.after_update()
         return loss

@@ -297,14 +297,17 @@ class Trainer:
     # -- training ---------------------------------------------------------
 
     def _compute_loss_fn(self, global_batch_size):
-        def compute_loss(x, y, sample_weight):
+        def compute_loss(x, y, sample_weight, global_batch=None):
             y_pred = self.model(x, training=True)
             per_example = tf.convert_to_tensor(
                 self._loss(y, _float32(y_pred)))
             _check_per_example(per_example)
+            # A partial batch is averaged over the examples it holds, as
+            # one device does (TrainStep passes its actual global size).
             loss = tf.nn.compute_average_loss(
                 per_example, sample_weight=sample_weight,
-                global_batch_size=global_batch_size)
+                global_batch_size=global_batch_size if global_batch is None
+                else tf.cast(global_batch, tf.int64))
             if self.model.losses:
                 # Added on every replica, so scaled by 1/replicas once.
                 loss += tf.nn.scale_regularization_loss(tf.add_n(
