@@ -54,9 +54,20 @@ def test_trainer_refuses_the_endless_training_stream_for_eval(setup):
 
 def test_trainer_evaluate_on_an_empty_dataset_is_an_error(setup):
     _, trainer, _ = setup
-    empty = _dataset_fn(None).take(0).batch(8)
+    examples = _dataset_fn(None)
+    # Refused before tracing: a first trace on a dataset of cardinality 0
+    # never read, and later evaluations reused it ("no examples" for all).
+    with pytest.raises(ValueError, match=(
+            r"`eval_data` is empty \(its cardinality is 0\), so there is "
+            "nothing to evaluate")):
+        trainer.evaluate(examples.take(0).batch(8))
+    empty = examples.filter(lambda x, y: y > 0).batch(8)
     with pytest.raises(ValueError, match="`eval_data` yielded no examples"):
         trainer.evaluate(empty)
+    x, y = next(iter(examples.batch(32)))
+    expected = float(np.mean(LOSS(y, trainer.model(x))))
+    np.testing.assert_allclose(
+        trainer.evaluate(examples.batch(8))["loss"], expected, rtol=1e-6)
 
 
 def test_keras_fit_and_evaluate_refuse_the_endless_stream(setup):
@@ -140,8 +151,72 @@ def test_training_data_that_does_not_fit_is_named(setup):
     changes = tf.data.Dataset.from_generator(changing, output_signature=(
         tf.TensorSpec((8, None), tf.float32), tf.TensorSpec((8,), tf.int32)))
     with pytest.raises(ValueError, match=(
-            r"`train_data` changed shape while training: its elements are "
+            r"`train_data` changed shape mid-stream: its elements are "
             r"\(\(8, None\):float32.* did not fit the model \(Matrix "
             r"size-incompatible: In\[0\]: \[8,5\]")):
         trainer.fit(changes, steps=4, verbose=0)
     assert trainer.step == 0
+
+
+def test_evaluate_and_keras_fit_name_data_that_does_not_fit(setup):
+    """The Trainer's `evaluate` and Keras `fit` / `evaluate` under
+    `tfmulti.keras.distributed` translate as `Trainer.fit` does (were raw
+    InvalidArgumentErrors, a `RuntimeError` about "step 0 of an epoch of 0
+    steps", and a silent loss of 0.0 for an empty evaluation set)."""
+    strategy, trainer, _ = setup
+    x = np.zeros((32, 4), "float32")
+    labels = tf.data.Dataset.from_tensor_slices(
+        (x, np.full(32, 7, "int32"))).batch(8)
+
+    def changing():
+        for i in range(4):
+            yield np.zeros((8, 4 if i < 2 else 5), "float32"), np.zeros(
+                8, "int32")
+
+    def changes():
+        return tf.data.Dataset.from_generator(changing, output_signature=(
+            tf.TensorSpec((8, None), tf.float32),
+            tf.TensorSpec((8,), tf.int32)))
+
+    label_error = (r"`{}` has a label 7, outside the model's 3 classes .* "
+                   r"give the model 8 or more outputs")
+    shape_error = (r"`{}` changed shape mid-stream: its elements are "
+                   r"\(\(8, None\):float32.* did not fit the model \(Matrix "
+                   r"size-incompatible: In\[0\]: \[8,5\]")
+    with pytest.raises(ValueError, match=label_error.format("eval_data")):
+        trainer.evaluate(labels)
+    with pytest.raises(ValueError, match=shape_error.format("eval_data")):
+        trainer.evaluate(changes())
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    tfmulti.keras.distributed(model)
+    for run in (lambda data: model.fit(data, epochs=1, verbose=0),
+                lambda data: model.evaluate(data, verbose=0)):
+        with pytest.raises(ValueError, match=label_error.format("x")):
+            run(labels)
+        with pytest.raises(ValueError, match=shape_error.format("x")):
+            run(changes())
+    examples = _dataset_fn(None)
+    with pytest.raises(ValueError, match=(
+            r"`x` is not batched: its elements are \(\(4,\):float32, "
+            r"\(\):int32\)")):
+        model.fit(examples, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"`x` is empty \(its cardinality is 0\)")):
+        model.fit(examples.take(0).batch(8), epochs=1, verbose=0)
+    filtered_empty = examples.filter(lambda x, y: y > 0).batch(8)
+    with pytest.raises(ValueError, match=(
+            r"`x` ran out of data before the first call of the train "
+            r"function finished .* nothing was trained")):
+        model.fit(filtered_empty, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"`x` yielded no batches \(an empty dataset\), so there is no "
+            r"loss to report")):
+        model.evaluate(filtered_empty, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"`validation_data` yielded no batches")):
+        model.fit(examples.batch(8), epochs=1, verbose=0,
+                  validation_data=filtered_empty)

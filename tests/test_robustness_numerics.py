@@ -55,3 +55,63 @@ def test_clip_global_norm_inf_is_refused_up_front(clip):
                 f"{clip}; it must be finite .* Pass None for no clipping")):
             tfmulti.Trainer(model, keras.optimizers.SGD(0.1), loss=LOSS,
                             clip_global_norm=clip)
+
+
+def test_nonfinite_loss_names_the_cause_from_evidence():
+    """A flipped exponent bit in a weight, a NaN input (seen, and hidden by
+    a ReLU) and divergence: each message names its own cause (all four used
+    to say "a lower learning rate" first; the ReLU case ended with exit 0
+    and NaN in the first kernel)."""
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = (np.arange(64) % 3).astype("int32")
+
+    def data(inputs, labels=y):
+        return tf.data.Dataset.from_tensor_slices((inputs, labels)).repeat(
+        ).batch(8, drop_remainder=True)
+
+    def trainer(activation="tanh", lr=0.1, loss=LOSS):
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((4,)), keras.layers.Dense(8, activation=activation),
+                keras.layers.Dense(3)])
+            return tfmulti.Trainer(model, keras.optimizers.SGD(lr), loss=loss,
+                                   steps_per_loop=2)
+
+    keras.utils.set_random_seed(0)
+    # ReLU passes the huge pre-activation on (tanh would saturate it).
+    flipped = trainer("relu")
+    flipped.fit(data(x), steps=4, verbose=0)
+    kernel = flipped.model.layers[0].kernel
+    value = kernel.numpy()
+    value.view(np.uint32)[1, 2] ^= np.uint32(1 << 30)  # exponent's top bit
+    kernel.assign(value)
+    with pytest.raises(numerics.NonFiniteLossError, match=(
+            r"Likely cause: a corrupted weight, not the learning rate. Before "
+            r"step 5, '.*dense.*/kernel' held 1 value\(s\) beyond 1e\+15 .* "
+            r"among its 32")):
+        flipped.fit(data(x), steps=8, verbose=0)
+
+    nan_input = x.copy()
+    nan_input[40, 1] = np.nan  # batch 6
+    with pytest.raises(numerics.NonFiniteLossError, match=(
+            r"loss is nan at step 6 .* Likely cause: non-finite input: the "
+            r"loss was ordinary until step 5 .* every weight was finite .* "
+            r"the batch\(es\) of step 6 most likely hold NaN/inf")):
+        trainer().fit(data(nan_input), steps=8, verbose=0)
+    with pytest.raises(numerics.NonFiniteLossError, match=(
+            r"The weights hold NaN/inf after step 8 although every training "
+            r"loss was finite: '.*dense.*/kernel' has 8 of its 32 "
+            r"values NaN/inf .* Likely cause: non-finite input that the "
+            r"forward pass hid")):
+        trainer("relu").fit(data(nan_input), steps=8, verbose=0)
+
+    def squared_error(labels, outputs):
+        return tf.reduce_mean(tf.square(
+            tf.cast(labels, tf.float32)[:, None] - outputs), axis=-1)
+
+    with pytest.raises(numerics.NonFiniteLossError, match=(
+            r"Likely cause: the loss overflowed \(divergence\): it grew from "
+            r".* Usual fixes: a lower learning rate")):
+        trainer("relu", lr=0.5, loss=squared_error).fit(
+            data(x * 30, np.full(64, 50, "int32")), steps=40, verbose=0)

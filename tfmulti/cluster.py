@@ -24,6 +24,12 @@ _EXAMPLE = ('{"cluster": {"worker": ["host0:12345", "host1:12345"]}, '
 DEFAULT_PORT = 23456
 
 
+
+class ConfigMismatchError(ValueError):
+    """Workers of one job were started with different configurations (raised
+    by `tfmulti.training.agreement`, and at variable creation by
+    `tfmulti.initial_values`)."""
+
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """A validated cluster and this process's place in it.

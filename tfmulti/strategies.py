@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat, parameter_server, startup, watchdog
+from tfmulti import initial_values
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker",
                   "parameter_server")
@@ -187,6 +188,7 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
     if name == "multi_worker":
         strategy = _multi_worker(cluster, num_gpus, options,
                                  startup_timeout_seconds)
+        initial_values.name_mismatches(strategy)
     else:
         if devices is None:
             devices = _local_devices(num_gpus)
@@ -376,5 +378,6 @@ def multi_worker_on_cpus(local_cpus: int, *,
         rpc_layer="grpc")
     strategy = Strategy(resolver, options)
     strategy._tfmulti_communication_options = options
+    initial_values.name_mismatches(strategy)
     watchdog.attach(strategy, stall_timeout_seconds)
     return strategy

@@ -3,12 +3,19 @@
 Usage: robustness_agreement.py WORK_DIR (cluster from TF_CONFIG)
 Case 1: worker i uses global batch 16 * (i + 1).
 Case 2: worker i uses grad_accum_steps i + 1 and steps_per_loop i + 1.
-(A model of another shape fails earlier, at its creation: MultiWorkerMirrored
-broadcasts initial values, "Shape mismatch in the collective instance".)
 Case 3: each worker its own model_dir: a first fit saves step 2 in the
 chief's, then a fresh Trainer restores step 2 on the chief, 0 on worker 1
 (caught by the checkpoint layer's position check, before the fingerprint).
+Case 4: Keras fit (tfmulti.keras.distributed), global batch 16 * (i + 1).
+Case 5: Keras fit, grad_accum_steps i + 1.
+Case 6 (last: the failed broadcast leaves the collectives aborted): worker i
+builds Dense(3 + i); worker 1 fails in the initial-value broadcast, the chief
+when worker 1 has exited.
 Prints `CASE k: <error>` per case; then `DONE`.
+
+Usage: robustness_agreement.py WORK_DIR extra: only case 7: worker 1's model
+has one more layer; worker 0, done with its model, creates its optimizer
+(compile), whose broadcast meets worker 1's next one.
 """
 
 import json
@@ -25,6 +32,7 @@ import tensorflow as tf  # noqa: E402
 
 rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 work_dir = sys.argv[1]
+only_extra = sys.argv[2:] == ["extra"]
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                   reduction=None)
 
@@ -50,6 +58,21 @@ def case(k, fn):
         print(f"CASE {k}: {type(e).__name__}: {e}", flush=True)
 
 
+def extra_layer():
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)] +
+                                 [keras.layers.Dense(3)] * rank)
+        model.compile(optimizer="sgd", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    tfmulti.keras.distributed(model).fit(
+        tfmulti.distribute_dataset(strategy, dataset_fn, global_batch_size=16),
+        epochs=1, steps_per_epoch=2, verbose=0)
+
+
+if only_extra:
+    case(7, extra_layer)
+    print("DONE", flush=True)
+    sys.exit(0)
 case(1, lambda: trainer().fit(dataset_fn, steps=2, verbose=0,
                               global_batch_size=16 * (rank + 1)))
 case(2, lambda: trainer(steps_per_loop=rank + 1,
@@ -60,4 +83,27 @@ trainer(model_dir=own_dir).fit(dataset_fn, steps=2, verbose=0,
                                global_batch_size=16)
 case(3, lambda: trainer(model_dir=own_dir).fit(
     dataset_fn, steps=4, verbose=0, global_batch_size=16))
+
+
+def keras_fit(global_batch_size=16, grad_accum_steps=1):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    tfmulti.keras.distributed(model, grad_accum_steps=grad_accum_steps)
+    data = tfmulti.distribute_dataset(strategy, dataset_fn,
+                                      global_batch_size=global_batch_size)
+    model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+
+
+case(4, lambda: keras_fit(global_batch_size=16 * (rank + 1)))
+case(5, lambda: keras_fit(grad_accum_steps=rank + 1))
+
+
+def other_shape():
+    with strategy.scope():
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3 + rank)])
+
+
+case(6, other_shape)
 print("DONE", flush=True)

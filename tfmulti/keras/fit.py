@@ -31,7 +31,9 @@ import tensorflow as tf
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.data import finiteness
+from tfmulti.training import agreement
 from tfmulti.training import communication as communication_lib
+from tfmulti.training import data_checks
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
@@ -102,6 +104,15 @@ class _State:
         # Keras is about to run and the steps in the epoch (None: unknown).
         self.begin = 0
         self.steps = None
+        # Epochs begun and train calls finished by the current `fit`: an
+        # epoch begun with no call finished had no data (Keras only warns).
+        self.epochs_begun = 0
+        self.train_calls = 0
+        # The argument `evaluate` is reading (`x`, or `validation_data` from
+        # inside `fit`) and the batches it evaluated: 0 is an empty dataset
+        # (Keras would report a loss of 0.0).
+        self.eval_arg = "x"
+        self.eval_batches = 0
         # Extra keys of an overridden `compute_metrics` (a `_Logs`).
         self.train_extras = None
         self.warned_weighting = False
@@ -209,6 +220,13 @@ class _Chunk(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._state.steps = self.params.get("steps")
         self._state.begin = 0
+        self._state.epochs_begun = self._state.train_calls = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._state.epochs_begun += 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._state.train_calls += 1
 
     def on_train_batch_begin(self, batch, logs=None):
         self._state.begin = batch
@@ -378,7 +396,11 @@ def _make_train_function(model, force=False):
             state.train_extras = _Logs(model, specs, specs.keys())
             extras_read = tf.function(
                 lambda: state.train_extras.read(model.get_metrics_result()))
-        train(iterator, tf.constant(_steps_this_call(model, state), tf.int32))
+        # A label or shape that does not fit is named as in the Trainer;
+        # running out of data ends Keras's epoch, as in Keras.
+        with data_checks.translated(iterator.element_spec, arg="x"):
+            train(iterator,
+                  tf.constant(_steps_this_call(model, state), tf.int32))
         if extras_read is not None:
             return extras_read()
         return results()
@@ -430,8 +452,10 @@ def _make_test_function(model, force=False):
             custom_read = tf.function(
                 lambda: logs.read(model.get_metrics_result()))
         steps = int(model.steps_per_execution)
-        with watchdog.calling(strategy):
+        with watchdog.calling(strategy), data_checks.translated(
+                iterator.element_spec, arg=state.eval_arg):
             done = run(iterator, tf.constant(steps))
+        state.eval_batches += int(done)
         if int(done) < steps:
             # The end of the data: Keras's loop stops on this flag. A
             # StopIteration would stop it too, but Keras 3.15 then warns
@@ -465,6 +489,11 @@ def _fit(model, *args, **kwargs):
         finiteness.check_finite(
             arguments["validation_data"], arg="validation_data",
             fix=_FINITE_FIX)
+    x = arguments.get("x")
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        # As the Trainer checks `train_data`: before anything is traced.
+        data_checks.check_batched(x.element_spec, arg="x")
+        data_checks.check_not_empty(x, arg="x")
     if "shuffle" not in bound.arguments and isinstance(
             bound.arguments.get("x"), (tf.data.Dataset,
                                        tf.distribute.DistributedDataset)):
@@ -485,7 +514,50 @@ def _fit(model, *args, **kwargs):
     # A lost peer surfaces as PeerFailureError naming the cause, as in the
     # Trainer.
     with peer_failure.translated(model.distribute_strategy):
-        return type(model).fit(*bound.args, **bound.kwargs)
+        # Before Keras builds the train function: another grad_accum_steps
+        # creates other variables, whose broadcasts would meet this check.
+        _check_workers_agree(model, state, dict(bound.arguments, x=x))
+        history = type(model).fit(*bound.args, **bound.kwargs)
+    if state.epochs_begun and not state.train_calls:
+        raise ValueError(
+            "`x` ran out of data before the first call of the train function "
+            f"finished ({int(model.steps_per_execution)} batch(es), "
+            "`steps_per_execution`): it is empty, or shorter than that, so "
+            "nothing was trained (Keras only warns). Check the split and any "
+            "filter() in the pipeline.")
+    return history
+
+
+def _global_batch(strategy, x, batch_size) -> int:
+    """The batch summed over replicas that `fit` will train with (0: not
+    known statically)."""
+    spec = getattr(x, "element_spec", None)
+    if spec is None:
+        return batch_size or 32  # Keras's default for arrays
+    leaf = tf.nest.flatten(spec)[0]
+    per_replica = isinstance(x, tf.distribute.DistributedDataset)
+    leaf = getattr(leaf, "_value_specs", (leaf,))[0]
+    rank = getattr(leaf, "shape", tf.TensorShape(None)).rank
+    size = leaf.shape[0] if rank else None
+    if size is None:
+        return 0
+    return size * strategy.num_replicas_in_sync if per_replica else size
+
+
+def _check_workers_agree(model, state, arguments):
+    """The Trainer's config agreement, for Keras `fit` on several workers:
+    one all-reduce of the settings that must match (a no-op on one)."""
+    strategy = model.distribute_strategy
+    agreement.check_agreement(strategy, {
+        "global_batch_size": _global_batch(strategy, arguments.get("x"),
+                                           arguments.get("batch_size")),
+        "grad_accum_steps": state.options.grad_accum_steps,
+        "steps_per_execution": int(model.steps_per_execution),
+        "steps_per_epoch": arguments.get("steps_per_epoch") or 0,
+        "epochs": arguments.get("epochs", 1),
+        "model variable shapes (fingerprint)":
+            agreement.shapes_fingerprint(model.variables),
+    })
 
 
 _FINITE_FIX = ("Pass an exact-once evaluation stream: tfmulti.distribute_"
@@ -496,7 +568,21 @@ def _evaluate(model, x=None, *args, **kwargs):
     if kwargs.get("steps") is None:
         finiteness.check_finite(x, arg="x", fix=_FINITE_FIX + (
             " Or give `steps`."))
-    return type(model).evaluate(model, x, *args, **kwargs)
+    state = getattr(model, _STATE)
+    # Keras's `fit` validates through this method, with its cached dataset.
+    state.eval_arg = ("validation_data" if kwargs.get(
+        "_use_cached_eval_dataset") else "x")
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        data_checks.check_not_empty(x, arg=state.eval_arg,
+                                    purpose="evaluate")
+    state.eval_batches = 0
+    logs = type(model).evaluate(model, x, *args, **kwargs)
+    if not state.eval_batches:
+        raise ValueError(
+            f"`{state.eval_arg}` yielded no batches (an empty dataset), so "
+            "there is no loss to report (Keras would report 0.0). Check the "
+            "split and any filter() in the pipeline.")
+    return logs
 
 
 def _maybe_symbolic_build(model, iterator=None, data_batch=None):

@@ -21,8 +21,8 @@ from tfmulti import cluster as cluster_lib
 from tfmulti import watchdog
 
 
-class ConfigMismatchError(ValueError):
-    """Workers of one job were started with different configurations."""
+# Defined with the cluster, so that strategy creation can raise it too.
+ConfigMismatchError = cluster_lib.ConfigMismatchError
 
 
 def shapes_fingerprint(variables) -> int:

@@ -5,8 +5,9 @@ traced (an unbatched dataset used to fail deep inside the step with an
 `IndexError`). What only shows while running (data that runs out, a label
 outside the model's classes, a batch of another shape than the first ones)
 is not checked per batch, which would cost every step: the error TensorFlow
-raises is translated where it leaves the loop, naming `train_data`, what it
-held and the fix.
+raises is translated where it leaves the loop, naming the argument, what it
+held and the fix. One translation for the Trainer's `fit` and `evaluate` and
+for Keras `fit` / `evaluate` under `tfmulti.keras.distributed`.
 """
 
 from __future__ import annotations
@@ -58,13 +59,22 @@ def check_batched(element_spec, *, arg: str = "train_data") -> None:
             "`global_batch_size` (tfmulti.distribute_dataset batches it).")
 
 
-def check_not_empty(dataset, *, arg: str = "train_data") -> None:
-    """Raises if `dataset` is a `tf.data.Dataset` known to hold nothing."""
-    if isinstance(dataset, tf.data.Dataset) and int(
-            dataset.cardinality()) == 0:
+def check_not_empty(dataset, *, arg: str = "train_data",
+                    purpose: str = "train on") -> None:
+    """Raises if `dataset` (a `tf.data.Dataset` or a distributed dataset) is
+    known to hold nothing.
+
+    Checked before tracing: a `tf.function` looping over a dataset of
+    cardinality 0 traced a loop that never reads (TF 2.21), and the Trainer's
+    evaluation reused that trace for every later dataset, which then
+    yielded no examples too.
+    """
+    cardinality = dataset.cardinality() if isinstance(
+        dataset, tf.data.Dataset) else getattr(dataset, "cardinality", None)
+    if cardinality is not None and int(cardinality) == 0:
         raise ValueError(
             f"`{arg}` is empty (its cardinality is 0), so there is nothing "
-            "to train on. Check the split, and any filter(), take() or "
+            f"to {purpose}. Check the split, and any filter(), take() or "
             "batch(drop_remainder=True) of fewer elements than a batch.")
 
 
@@ -75,30 +85,40 @@ def _has_unknown_inner_dims(element_spec) -> bool:
 
 
 @contextlib.contextmanager
-def translated(element_spec, *, step, steps: int, batches_per_step: int,
-               arg: str = "train_data"):
-    """Translates data errors raised by a training loop run inside it.
+def translated(element_spec, *, arg: str = "train_data", step=None,
+               steps: int | None = None, batches_per_step: int = 1):
+    """Translates data errors raised by a loop over the data run inside it.
+
+    The one translation of the Trainer's `fit` and `evaluate` and of Keras
+    `fit` / `evaluate` under `tfmulti.keras.distributed`.
 
     Args:
-      element_spec: the training data's element spec.
-      step: `step()` gives the step count the failing loop started from.
-      steps: the total steps asked for.
-      batches_per_step: batches one step reads (`grad_accum_steps`).
+      element_spec: the data's element spec (None: unknown; then a shape
+        error is not translated, since nothing says the shape may vary).
       arg: the argument's name, for the message.
+      step: `step()` gives the step count the failing loop started from;
+        None for a loop without steps (evaluation).
+      steps: the total steps asked for. None when running out of data is
+        how the loop ends (evaluation, and Keras's epochs, which stop on
+        it): the `OutOfRangeError` then passes through untouched.
+      batches_per_step: batches one step reads (`grad_accum_steps`).
 
     Raises:
       ValueError: from the translated `tf.errors.OutOfRangeError` or
         `tf.errors.InvalidArgumentError`, chained to it.
     """
+    where = "" if step is None else (
+        f" in the loop starting at step {step()}")
     try:
         yield
     except tf.errors.OutOfRangeError as e:
+        if steps is None:
+            raise
         raise ValueError(
-            f"`{arg}` ran out of batches in the loop starting at step "
-            f"{step()}: `steps`={steps} needs {steps} x {batches_per_step} "
-            "batch(es). Repeat it (dataset.repeat(); tfmulti."
-            "distribute_dataset's training mode repeats), or ask for fewer "
-            "`steps`.") from e
+            f"`{arg}` ran out of batches{where}: `steps`={steps} needs "
+            f"{steps} x {batches_per_step} batch(es). Repeat it (dataset."
+            "repeat(); tfmulti.distribute_dataset's training mode repeats), "
+            "or ask for fewer `steps`.") from e
     except tf.errors.InvalidArgumentError as e:
         label = _LABEL.search(e.message or "")
         if label:
@@ -109,11 +129,12 @@ def translated(element_spec, *, step, steps: int, batches_per_step: int,
                 f"). Fix the labels in the dataset, or give the model "
                 f"{int(value) + 1} or more outputs.") from e
         shape = _SHAPE.search(e.message or "")
-        if shape and _has_unknown_inner_dims(element_spec):
+        if shape and element_spec is not None and _has_unknown_inner_dims(
+                element_spec):
             raise ValueError(
-                f"`{arg}` changed shape while training: its elements are "
+                f"`{arg}` changed shape mid-stream: its elements are "
                 f"({_describe(element_spec)}), with unknown (None) sizes, and "
-                f"a batch in the loop starting at step {step()} did not fit the model "
+                f"a batch{where} did not fit the model "
                 f"({shape.group(1).strip()}). Make every element the same "
                 "shape (resize or pad in the pipeline), or pad each batch to "
                 "the size the model expects.") from e

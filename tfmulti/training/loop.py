@@ -42,7 +42,7 @@ def sum_over_replicas(strategy, local):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
 
 
-def create_train_loop(step_fn, *, strategy, metrics=()):
+def create_train_loop(step_fn, *, strategy, metrics=(), before=()):
     """Builds `train(iterator, num_steps)`: `num_steps` calls of `step_fn`.
 
     Args:
@@ -53,6 +53,8 @@ def create_train_loop(step_fn, *, strategy, metrics=()):
       metrics: Keras metrics that `step_fn` updates: reset at the start of
         each call and read at its end, inside the one `tf.function` (no
         eager collective per metric variable between loops).
+      before: callables traced at the start of each call, before the first
+        step (e.g. `numerics.WeightCheck.record`); results dropped.
 
     Returns:
       `train(iterator, num_steps) -> tf.Tensor` of shape [num_steps]: per
@@ -67,6 +69,8 @@ def create_train_loop(step_fn, *, strategy, metrics=()):
     def loop(iterator, num_steps):
         for metric in metrics:
             metric.reset_state()
+        for fn in before:
+            fn()
         # One array per local replica, written on that replica's device: no
         # cross-device copy per step, one sum after the loop.
         values = [tf.TensorArray(tf.float32, size=num_steps)

@@ -253,6 +253,13 @@ class Trainer:
             allreduce_dtype=allreduce_dtype)
         self._loops = {}
         self._eval_fn = None
+        # NaN weights after finite losses stop training; and evidence for
+        # a non-finite loss's message (numerics.likely_cause). Skipping
+        # never writes NaN; a pipeline has its own loop.
+        self._weight_check = numerics.WeightCheck(
+            model.trainable_variables) if (
+                numerics.mode_for(optimizer, on_nonfinite) == "raise"
+                and self._pipeline is None) else None
         # The last `train_data` given to fit, its iterator and global batch:
         # the same object given again continues where it stopped.
         self._source = self._iterator = self._source_batch = None
@@ -321,7 +328,9 @@ class Trainer:
                     self.strategy), reducer=self._reducer,
                 jit_compile=self._jit_compile)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
-                train_step, strategy=self.strategy, metrics=self.metrics)
+                train_step, strategy=self.strategy, metrics=self.metrics,
+                before=[self._weight_check.record] if (
+                    self._weight_check) else [])
         return self._loops[global_batch_size]
 
     def _distribute(self, data, global_batch_size):
@@ -539,17 +548,21 @@ class Trainer:
         on_nonfinite = numerics.mode_for(self.optimizer, self._on_nonfinite)
         lengths = {}
         skips_in_a_row = [0]
+        weight_check = self._weight_check
 
         def train_loop(start, n):
             callback_list.on_train_batch_begin(start)
             began = time.perf_counter()
             if n not in lengths:
                 lengths[n] = tf.constant(n, tf.int32)
+            if weight_check is not None:
+                weight_check.take(start)
             losses, metrics = train(iterator, lengths[n]) if (
                 self.metrics) else (train(iterator, lengths[n]), {})
             losses = losses.numpy()
-            skipped = numerics.check_losses(losses, first_step=start,
-                                            on_nonfinite=on_nonfinite)
+            skipped = numerics.check_losses(
+                losses, first_step=start, on_nonfinite=on_nonfinite,
+                previous=history["step_loss"], weights=weight_check)
             elapsed = time.perf_counter() - began
             skips_in_a_row[0] = numerics.consecutive_skips(skips_in_a_row[0],
                                                            losses)
@@ -611,6 +624,9 @@ class Trainer:
             train_loop, steps_per_loop=self._steps_per_loop,
             actions=loop_actions, agree=self._agree).run(
                 self.step, steps, stop=lambda: self.model.stop_training)
+        if weight_check is not None:
+            # Once per fit; a checkpoint of NaN weights is refused anyway.
+            weight_check.check_now(step=self.step)
         callback_list.on_train_end(history)
         return history
 
@@ -668,6 +684,8 @@ class Trainer:
         _check_eval_data(eval_data)
         if self._async is not None:
             return self._async.evaluate(eval_data)
+        data_checks.check_not_empty(eval_data, arg="eval_data",
+                                    purpose="evaluate")
         if isinstance(eval_data, tf.data.Dataset):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
@@ -682,7 +700,9 @@ class Trainer:
         # The iterator is made here, not inside the tf.function: creating a
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
-        with watchdog.calling(self.strategy):
+        # A label or shape that does not fit the model is named, as in fit.
+        with watchdog.calling(self.strategy), data_checks.translated(
+                getattr(eval_data, "element_spec", None), arg="eval_data"):
             self._eval_fn(iter(eval_data))
         if float(self._eval_loss.count.numpy()) == 0:
             raise ValueError(
