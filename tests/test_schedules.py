@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tfmulti
+from tests.subproc import run_python
 from tfmulti.schedules import ScaledLearningRate
 
 
@@ -83,6 +84,15 @@ def test_model_compiled_with_it_saves_and_loads(tmp_path):
         float(schedule(2)))
     config = loaded.optimizer.get_config()["learning_rate"]
     assert config["config"] == schedule.get_config()
+
+    # A fresh process that imports tfmulti before keras loads it too (the
+    # class is registered when keras is imported).
+    _, out = run_python(["-c", (
+        "import tfmulti, keras; m = keras.saving.load_model(%r); "
+        "print('schedule:', m.optimizer.get_config()['learning_rate']"
+        "['registered_name'])")
+        % str(tmp_path / "m.keras")], timeout=120)
+    assert "schedule: tfmulti>ScaledLearningRate" in out, out
 
 
 @pytest.mark.parametrize("kwargs, match", [

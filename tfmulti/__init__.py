@@ -9,10 +9,11 @@ TensorFlow) on first use, so `tfmulti-launch` starts without TensorFlow.
 What tfmulti registers (the serialisable `ScaledLearningRate` for loading
 `.keras` files, the `tfmulti_shapes` TFDS builder) is registered at `import
 tfmulti` when Keras / TFDS are already loaded (it then costs nothing), else
-on first use of `tfmulti.schedules` / `tfmulti.data` (any of their names).
+as soon as they are imported.
 """
 
 import importlib
+import importlib.abc
 import sys
 
 __version__ = "0.1.0"
@@ -40,10 +41,56 @@ _SUBPACKAGES = ("keras", "pipeline")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
 
-if "keras" in sys.modules:
-    importlib.import_module("tfmulti.schedules")
-if "tensorflow_datasets" in sys.modules:
-    importlib.import_module("tfmulti.data")
+# What registers tfmulti's objects with each library.
+_REGISTRARS = {"keras": "tfmulti.schedules",
+               "tensorflow_datasets": "tfmulti.data"}
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers tfmulti's objects right after Keras / TFDS are imported, so
+    `import tfmulti; import keras; keras.saving.load_model(...)` finds
+    `tfmulti>ScaledLearningRate` whatever the import order. Finds nothing
+    itself: it asks the other finders and wraps the loader they return."""
+
+    def __init__(self, pending):
+        self.pending = dict(pending)
+
+    def find_spec(self, name, path=None, target=None):
+        registrar = self.pending.get(name)
+        if registrar is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            del self.pending[name]
+            if not self.pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+            importlib.import_module(registrar)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_pending = {}
+for _library, _registrar in _REGISTRARS.items():
+    if _library in sys.modules:
+        importlib.import_module(_registrar)
+    else:
+        _pending[_library] = _registrar
+if _pending:
+    sys.meta_path.insert(0, _RegisterOnImport(_pending))
 
 
 def __getattr__(name):
