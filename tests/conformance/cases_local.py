@@ -697,6 +697,39 @@ def k19891_replica_count():
     return on_one_and_four(_k19891)
 
 
+def _k20611(layout, how):
+    """keras-team/keras#20611, the report's model: Dense(128, gelu),
+    Dropout(0.2), Dense(128) made under a MirroredStrategy scope (failed to
+    initialise with Keras 3.7). Inference equals one device; dropout masks
+    are drawn per replica in training, so fit is compared by its loss
+    falling, not bitwise."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 16)).astype("float32")
+    # A learnable target, so the loss can fall.
+    y = np.tanh(x @ rng.normal(scale=0.5, size=(16, 128))).astype("float32")
+    with strategy(layout).scope():
+        keras.utils.set_random_seed(2)
+        model = tf.keras.Sequential([
+            tf.keras.layers.Dense(128, activation="gelu"),
+            tf.keras.layers.Dropout(0.2),
+            tf.keras.layers.Dense(128),
+        ])
+        model.build((None, 16))
+        model.compile(keras.optimizers.SGD(0.5), "mse")
+    if how == "distributed":
+        tfmulti.keras.distributed(model)
+    before = {"predict": model.predict(x, batch_size=32, verbose=0).tolist(),
+              "evaluate": float(model.evaluate(x, y, batch_size=32,
+                                               verbose=0))}
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    return {**before, "fit_loss": history.history["loss"]}
+
+
+@case
+def k20611_dropout():
+    return on_one_and_four(_k20611)
+
+
 def _k21366(layout, how):
     """keras-team/keras#21366: mixed precision with jit_compile=True under
     MirroredStrategy (LossScaleOptimizer merge_call)."""

@@ -224,6 +224,24 @@ def test_k19891_results_do_not_change_with_replica_count(local, how):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["plain", "distributed"])
+def test_k20611_dropout_model_under_mirrored(local, how):
+    cases = local["k20611_dropout"]
+    golden, run = ok(cases["one"]["plain"]), ok(cases["m4"][how])
+    # Inference (no dropout) equals one device exactly as computed.
+    np.testing.assert_allclose(run["predict"], golden["predict"],
+                               atol=TOLERANCE)
+    np.testing.assert_allclose(run["evaluate"], golden["evaluate"],
+                               atol=TOLERANCE)
+    # Training draws dropout masks per replica: it must learn as one device
+    # does (the loss falls by a like amount), not bitwise.
+    for losses in (golden["fit_loss"], run["fit_loss"]):
+        assert losses[-1] < 0.97 * losses[0], losses
+    assert abs(run["fit_loss"][-1] - golden["fit_loss"][-1]) < 0.05 * (
+        golden["fit_loss"][-1]), (run["fit_loss"], golden["fit_loss"])
+
+
+@pytest.mark.slow
 def test_k21366_mixed_precision_jit_compile(local):
     cases = local["k21366_mixed_precision_jit"]
     # float16 activations: sums in another order round differently (1e-5
