@@ -1,6 +1,6 @@
 """Soak (issue 19): a 2-worker Trainer job and a 2-worker `fit` job each
-train for 60 s with many collectives a second, and their threads and open
-files stay flat. With the old default 600 s per-collective timeout, threads
+train for 30 s with many collectives a second, and their threads and open
+files stay flat (the bench's soak part runs 5 minutes). With the old default 600 s per-collective timeout, threads
 grew by about 1,000 a second and reached the machine's limit within a
 minute."""
 
@@ -13,7 +13,7 @@ from tests.subproc import run_workers
 from tfmulti.bench import __main__ as bench_main
 from tfmulti.bench import parts
 
-SECONDS = 60
+SECONDS = 30
 
 
 def _soak(entry, configs):
@@ -26,7 +26,7 @@ def _soak(entry, configs):
 
 
 @pytest.mark.slow
-def test_two_worker_trainer_and_fit_stay_flat_for_a_minute():
+def test_two_worker_trainer_and_fit_stay_flat():
     entries = ("trainer", "fit")
     # Both jobs at once, on distinct ports.
     with futures.ThreadPoolExecutor(2) as pool:
@@ -40,12 +40,12 @@ def test_two_worker_trainer_and_fit_stay_flat_for_a_minute():
                     s["rss_bytes"] >> 20) for s in samples])
             # Enough loop calls (each with its collectives) to have leaked
             # thousands of threads under a per-collective timeout.
-            assert result["steps"] >= 300, result["steps"]
+            assert result["steps"] >= 150, result["steps"]
             assert samples[-1]["t"] >= SECONDS
-            at_15 = next(s for s in samples if s["t"] >= 15)
+            at_10 = next(s for s in samples if s["t"] >= 10)
             last = samples[-1]
-            assert abs(last["threads"] - at_15["threads"]) <= 50, samples
-            assert abs(last["fds"] - at_15["fds"]) <= 10, samples
+            assert abs(last["threads"] - at_10["threads"]) <= 50, samples
+            assert abs(last["fds"] - at_10["fds"]) <= 10, samples
             # Memory: a gross leak only (allocator warm-up is noisy here);
             # the 5-minute bench soak holds the 5% line.
-            assert last["rss_bytes"] < 1.2 * at_15["rss_bytes"], samples
+            assert last["rss_bytes"] < 1.2 * at_10["rss_bytes"], samples

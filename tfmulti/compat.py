@@ -222,7 +222,7 @@ def unscaled_keras_loss(loss, strategy):
 # process has no such peers, so keys fixed at trace time are as safe (TF
 # did that before 2.5). Set on the launchers of tfmulti's mirrored
 # strategies only, never globally. Checked: TF 2.21.0, Keras 3.15.1.
-# Guard: tests/conformance/test_compat_guards.py::test_stock_mirrored_
+# Guard: tests/conformance/test_conformance.py::test_stock_mirrored_
 # tutorial_still_fails.
 _log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def bind_collective_keys_at_trace_time(strategy) -> bool:
 # whose shapes build the model. tfmulti's strategies answer that one caller
 # with the first replica's batch and refuse everyone else with the shapes
 # and the fix. Checked: Keras 3.15.1. Guard: tests/conformance/
-# test_compat_guards.py::test_keras_still_reduces_the_first_batch.
+# test_conformance.py::test_keras_still_reduces_the_first_batch.
 _KERAS_BUILD_CALLER = "_maybe_symbolic_build"
 
 
