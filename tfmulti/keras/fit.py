@@ -534,13 +534,10 @@ def _global_batch(strategy, x, batch_size) -> int:
     spec = getattr(x, "element_spec", None)
     if spec is None:
         return batch_size or 32  # Keras's default for arrays
-    leaf = tf.nest.flatten(spec)[0]
-    per_replica = isinstance(x, tf.distribute.DistributedDataset)
-    leaf = getattr(leaf, "_value_specs", (leaf,))[0]
-    rank = getattr(leaf, "shape", tf.TensorShape(None)).rank
-    size = leaf.shape[0] if rank else None
+    size = data_checks.batch_size(spec)
     if size is None:
         return 0
+    per_replica = isinstance(x, tf.distribute.DistributedDataset)
     return size * strategy.num_replicas_in_sync if per_replica else size
 
 

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tfmulti import compat
 from tfmulti.pipeline import trainer_adapter
+from tfmulti.training import data_checks
 from tfmulti.training import step as step_lib
 
 # The instance attribute holding the TrainerAdapter on the unsplit model.
@@ -140,8 +141,7 @@ def _check_training_data(pipe, x):
             "trains from a tf.data.Dataset of (x, y) batches of a fixed "
             "size (batch(..., drop_remainder=True)), which the pipeline "
             "splits into micro-batches. Pass such a dataset.")
-    spec = keras.tree.flatten(x.element_spec)[0]
-    size = spec.shape[0] if spec.shape.rank else None
+    size = data_checks.batch_size(x.element_spec)
     if size is None:
         raise ValueError(
             f"`x` yields batches of no static size (element_spec "

@@ -29,6 +29,16 @@ def _leaves(element_spec):
             for leaf in tf.nest.flatten(element_spec)]
 
 
+def batch_size(element_spec):
+    """The static leading size of the first component of `element_spec`
+    (per replica for a distributed dataset's spec), or None."""
+    leaf = _leaves(element_spec)[0]
+    shape = getattr(leaf, "shape", None)
+    if shape is None or shape.rank in (None, 0):
+        return None
+    return shape[0]
+
+
 def _describe(element_spec) -> str:
     return ", ".join(f"{leaf.shape}:{leaf.dtype.name}"
                      for leaf in _leaves(element_spec)

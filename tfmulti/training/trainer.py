@@ -106,16 +106,6 @@ def _resolve_metric(metric, strategy):
                      "keras.metrics.Metric or a metric name.")
 
 
-def _per_replica_batch(spec):
-    leaf = tf.nest.flatten(spec)[0]
-    # A multi-replica spec wraps one spec per replica.
-    leaf = getattr(leaf, "_value_specs", (leaf,))[0]
-    shape = getattr(leaf, "shape", None)
-    if shape is None or shape.rank in (None, 0):
-        return None
-    return shape[0]
-
-
 def _float32(y_pred):
     return tf.nest.map_structure(
         lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating and
@@ -356,7 +346,7 @@ class Trainer:
             f"dataset; got {type(data).__name__}.")
 
     def _global_batch_size(self, data, given):
-        per_replica = _per_replica_batch(data.element_spec)
+        per_replica = data_checks.batch_size(data.element_spec)
         replicas = self.strategy.num_replicas_in_sync
         found = None if per_replica is None else per_replica * replicas
         if given is not None:
