@@ -27,7 +27,8 @@ BATCH = int(os.environ.get("PS_JOB_BATCH", "32"))
 LR = float(os.environ.get("PS_JOB_LR", "1e-3"))
 
 strategy = tfmulti.create_strategy(
-    "parameter_server" if MODE == "async" else "one_device")
+    "parameter_server" if MODE == "async" else "one_device",
+    stall_timeout_seconds=float(os.environ.get("PS_JOB_STALL", "600")))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -84,8 +85,11 @@ trainer = tfmulti.Trainer(
 
 train_data = train_fn if MODE == "async" else tfmulti.distribute_dataset(
     strategy, train_fn, global_batch_size=BATCH)
+EVAL_EVERY = int(os.environ.get("PS_JOB_EVAL_EVERY", "0")) or None
 history = trainer.fit(train_data, steps=STEPS, global_batch_size=BATCH,
-                      checkpoint_every=LOOP if MODEL_DIR else None)
+                      checkpoint_every=LOOP if MODEL_DIR else None,
+                      eval_data=test if EVAL_EVERY else None,
+                      eval_every=EVAL_EVERY)
 result = {"accuracy": trainer.evaluate(test)["sparse_categorical_accuracy"],
           "step": trainer.step, "history": history,
           "iterations": int(optimizer.iterations.numpy()),
