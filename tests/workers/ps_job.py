@@ -9,6 +9,9 @@ PS_JOB_CHECK_SHARDED=1 it first tries a Trainer on a partitioned Keras
 Embedding (a second strategy: every worker must be alive).
 Both train STEPS steps of BATCH examples (the same examples seen) and write
 {"accuracy", "step", "history", "attempts", "applied"} to OUT_JSON.
+Environment: PS_JOB_STEPS, PS_JOB_BATCH, PS_JOB_LOOP (steps per loop),
+PS_JOB_LR, PS_JOB_STALL (the strategy's `stall_timeout_seconds`) and
+PS_JOB_EVAL_EVERY (test accuracy every N steps, in the history).
 """
 
 import json

@@ -285,9 +285,8 @@ class AsyncTraining:
 
     # -- data ---------------------------------------------------------------
 
-    def _per_worker_iterator(self, dataset_fn, global_batch_size, seed):
-        if dataset_fn is self._source:
-            return self._iterator
+    @staticmethod
+    def _check_train_data(dataset_fn, global_batch_size):
         if not callable(dataset_fn) or isinstance(dataset_fn,
                                                   tf.data.Dataset):
             raise ValueError(
@@ -299,6 +298,11 @@ class AsyncTraining:
             raise ValueError(
                 "Pass `global_batch_size`: under ParameterServerStrategy it "
                 "is the batch of ONE step, which one worker computes.")
+
+    def _per_worker_iterator(self, dataset_fn, global_batch_size, seed, *,
+                             examples_done=0):
+        if dataset_fn is self._source:
+            return self._iterator
         per_replica = global_batch_size // self.strategy.num_replicas_in_sync
 
         num_workers = len(self._cluster.cluster["worker"])
@@ -322,7 +326,15 @@ class AsyncTraining:
             dataset = dataset.shuffle(pipeline_lib.DEFAULT_SHUFFLE_BUFFER,
                                       seed=seed,
                                       reshuffle_each_iteration=True).repeat()
-            offset = tf.where(size > 0, size * index // num_workers, 0)
+            # A resumed job goes on past the examples its restored steps
+            # read (as the synchronous Trainer's does) instead of reading
+            # the stream's start again; which worker read how many is not
+            # recorded, so the workers share them evenly. Within one epoch
+            # (skipping reads): past the first, any position is as new.
+            offset = tf.where(
+                size > 0,
+                (size * index + examples_done) // num_workers % tf.maximum(
+                    size, 1), 0)
             return dataset.skip(offset).batch(
                 per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
@@ -484,8 +496,7 @@ class AsyncTraining:
              eval_every, checkpoint_every, callbacks, actions, verbose,
              seed=0):
         trainer = self._trainer
-        iterator = self._per_worker_iterator(train_data, global_batch_size,
-                                             seed)
+        self._check_train_data(train_data, global_batch_size)
         step_fn = self._build_step(steps, global_batch_size)
         checkpointer = None
         if trainer.model_dir:
@@ -500,6 +511,9 @@ class AsyncTraining:
                     trainer._print(f"restored {checkpointer.restored_path} "
                                    f"at step {trainer.step}")
         try:
+            iterator = self._per_worker_iterator(
+                train_data, global_batch_size, seed,
+                examples_done=trainer.step * global_batch_size)
             return self._loop(iterator, step_fn, checkpointer, steps=steps,
                               global_batch_size=global_batch_size,
                               eval_data=eval_data, eval_every=eval_every,
