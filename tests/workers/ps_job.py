@@ -76,9 +76,19 @@ with strategy.scope():
     # is a property of the training, not of where the last noisy steps left
     # it (at a constant rate two sync seeds ended 4.8 points apart and a run
     # swung up to 19 points between loops; BUILD_NOTES, issue 16).
-    optimizer = keras.optimizers.Adam(
-        keras.optimizers.schedules.PiecewiseConstantDecay(
-            [int(0.7 * STEPS), int(0.85 * STEPS)], [LR, LR * 0.3, LR * 0.1]))
+    stepped = keras.optimizers.schedules.PiecewiseConstantDecay(
+        [int(0.7 * STEPS), int(0.85 * STEPS)], [LR, LR * 0.3, LR * 0.1])
+    WARMUP = int(os.environ.get("PS_JOB_WARMUP", "0"))
+    if WARMUP:
+        class Warmup(keras.optimizers.schedules.LearningRateSchedule):
+            def __call__(self, step):
+                step = keras.ops.cast(step, "float32")
+                return keras.ops.minimum(1.0, (step + 1) / WARMUP) * stepped(
+                    step)
+        schedule = Warmup()
+    else:
+        schedule = stepped
+    optimizer = keras.optimizers.Adam(schedule)
 trainer = tfmulti.Trainer(
     model, optimizer, strategy=strategy, metrics=["sparse_categorical_accuracy"],
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
