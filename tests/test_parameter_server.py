@@ -29,10 +29,10 @@ TIMEOUT = 420
 # The accuracy comparison: long enough for both runs to converge.
 ACCURACY_STEPS = 1000
 ACCURACY_TIMEOUT = 900
-# Issue 16 asks 0.02. Measured gaps at 1000 steps (sync 96.68%), 8 async
-# runs: -0.3, -1.2, -1.0, -0.5, -3.2, -4.5, -2.8, +0.4 points (BUILD_NOTES,
-# issue 16): within 2 points in 5.
-ACCURACY_TOLERANCE = 0.06
+# Issue 16's bound. Measured with the warm-up (sync 95.93%), 7 async runs:
+# async - sync -0.43, -0.33, -0.35, +0.08, 0.00, +0.30, +0.15 points
+# (BUILD_NOTES, issue 16).
+ACCURACY_TOLERANCE = 0.02
 # The fault story: short (its accuracy is not the point), loops of 25.
 STORY_STEPS, STORY_LOOP = 125, 25
 # The test's bound on a job with every worker gone (600 s by default).
@@ -251,21 +251,22 @@ def test_async_job_survives_ps_all_workers_and_worker_kills(
 
 
 @pytest.mark.slow
-def test_async_accuracy_is_close_to_sync(tmp_path, shapes_data_dir):
+def test_async_accuracy_is_within_2_points_of_sync(tmp_path,
+                                                   shapes_data_dir):
     """Issue 16: the local PS cluster (2 workers, truly asynchronous, no
-    fault) trains the small CNN close to one device's synchronous test
-    accuracy over the same examples.
+    fault) trains the small CNN to within 2 points of one device's
+    synchronous test accuracy over the same examples.
 
-    1000 steps of 64 (3.2 epochs), Adam 1e-3 stepped down over the last
-    30%, so both runs converge (at 500 steps the gap measured when the
-    model left its initial plateau at chance: async 78-90% against sync
-    90.3%, once 38%). The issue asks within 2 points; measured at 1000
-    steps (BUILD_NOTES, issue 16) most runs are, not all: the asynchronous
-    run's plateau lasts 100-400 steps. Asserted: the bound every measured
-    run met (ACCURACY_TOLERANCE); the gap is printed."""
+    1000 steps of 64 (3.2 epochs), Adam 1e-3 warmed up linearly over the
+    first 150 steps and stepped down over the last 30%, in both runs. Both
+    converge; the warm-up is what makes the asynchronous run reliable:
+    without it the model sits at chance for 100-400 steps, longer with
+    stale gradients, and async ended 92.2-97.1% against sync 96.7% (within
+    2 points in 5 of 8 runs; at 500 steps 78-90%, once 38%). With it:
+    BUILD_NOTES, issue 16."""
     out, sync_out = tmp_path / "async.json", tmp_path / "sync.json"
     env = dict(os.environ, PS_JOB_STEPS=str(ACCURACY_STEPS),
-               PS_JOB_BATCH="64", PS_JOB_LOOP="100")
+               PS_JOB_BATCH="64", PS_JOB_LOOP="100", PS_JOB_WARMUP="150")
     golden = subprocess.Popen(
         [sys.executable, JOB, "sync", str(sync_out), shapes_data_dir],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -282,10 +283,10 @@ def test_async_accuracy_is_close_to_sync(tmp_path, shapes_data_dir):
     assert run["step"] == sync["step"] == ACCURACY_STEPS
     # Fault-free: every closure ran and was applied once.
     assert set(run["applied"]) == {1}
-    gap = sync["accuracy"] - run["accuracy"]
+    gap = run["accuracy"] - sync["accuracy"]
     print(f"sync accuracy {sync['accuracy']:.4f}, async "
-          f"{run['accuracy']:.4f} (gap {100 * gap:+.2f} points)")
-    assert sync["accuracy"] > 0.9  # converged: the comparison means something
+          f"{run['accuracy']:.4f} (async - sync {100 * gap:+.2f} points)")
+    assert sync["accuracy"] > 0.93  # converged: the comparison means something
     assert abs(gap) <= ACCURACY_TOLERANCE, (sync["accuracy"],
                                            run["accuracy"])
 

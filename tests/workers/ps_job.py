@@ -10,8 +10,9 @@ Embedding (a second strategy: every worker must be alive).
 Both train STEPS steps of BATCH examples (the same examples seen) and write
 {"accuracy", "step", "history", "attempts", "applied"} to OUT_JSON.
 Environment: PS_JOB_STEPS, PS_JOB_BATCH, PS_JOB_LOOP (steps per loop),
-PS_JOB_LR, PS_JOB_STALL (the strategy's `stall_timeout_seconds`) and
-PS_JOB_EVAL_EVERY (test accuracy every N steps, in the history).
+PS_JOB_LR, PS_JOB_WARMUP (steps of linear warm-up), PS_JOB_STALL (the
+strategy's `stall_timeout_seconds`) and PS_JOB_EVAL_EVERY (test accuracy
+every N steps, in the history).
 """
 
 import json
@@ -78,6 +79,10 @@ with strategy.scope():
     # swung up to 19 points between loops; BUILD_NOTES, issue 16).
     stepped = keras.optimizers.schedules.PiecewiseConstantDecay(
         [int(0.7 * STEPS), int(0.85 * STEPS)], [LR, LR * 0.3, LR * 0.1])
+    # A linear warm-up over the first PS_JOB_WARMUP steps: without it the
+    # model sits at chance for a variable 100-400 steps, longer with stale
+    # gradients, and the asynchronous run's accuracy is a lottery
+    # (BUILD_NOTES, issue 16).
     WARMUP = int(os.environ.get("PS_JOB_WARMUP", "0"))
     if WARMUP:
         class Warmup(keras.optimizers.schedules.LearningRateSchedule):
