@@ -29,7 +29,8 @@ def stock():
 @pytest.mark.parametrize("name", [
     "multi_worker_reduce", "optimizer_sums_replicas",
     "fit_steps_per_execution_cond", "distributed_iterator_not_trackable",
-    "keras_loss_scales_by_replicas"])
+    "keras_loss_scales_by_replicas", "from_function_cardinality_per_replica",
+    "batchnorm_statistics_per_replica"])
 def test_stock_defect_is_still_present(stock, name):
     assert stock[name]["present"] is True, f"{name}: {FIXED}. {stock[name]}"
 

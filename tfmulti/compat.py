@@ -84,7 +84,7 @@ class KerasMultiWorkerMirroredStrategy(
     only, which is what a mean over axis 0 of a scalar per replica means."""
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        check_keras_step(self, fn, args)
+        fn = check_keras_step(self, fn, args)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def reduce(self, reduce_op, value, axis=None):
@@ -341,15 +341,17 @@ def is_keras_train_step(fn) -> bool:
 _warned_custom_step = set()
 
 
-def check_keras_step(strategy, fn, args) -> None:
+def check_keras_step(strategy, fn, args):
     """What tfmulti's strategies check when Keras runs a step on them: a
     jit-compiled step (refused), a custom step's logged loss (warned), an
-    uneven batch for Keras's own train step (warned)."""
+    uneven batch for Keras's own train step (warned). Returns the function
+    to run: a train step followed by the average of its model's per-replica
+    statistics (see the BatchNormalization workaround below)."""
     model = getattr(fn, "__self__", None)
     n = strategy.num_replicas_in_sync
     if n < 2 or not isinstance(model, keras.Model) or getattr(
             fn, "__name__", None) not in ("train_step", "test_step"):
-        return
+        return fn
     from tensorflow.python.framework import ops
     from tensorflow.python.ops import control_flow_util
     if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
@@ -376,8 +378,27 @@ def check_keras_step(strategy, fn, args) -> None:
             f"(e.g. `metric.update_state(loss)`) reads {n} times too small. "
             "Log `loss * self.distribute_strategy.num_replicas_in_sync`.",
             UserWarning, stacklevel=3)
-    if fn.__name__ == "train_step":
-        warn_if_keras_step_uneven(strategy, fn, args)
+    if fn.__name__ != "train_step":
+        return fn
+    warn_if_keras_step_uneven(strategy, fn, args)
+    return statistics_averaged_after(fn)
+
+
+# --- BatchNormalization keeps one moving average per replica ---------------
+# Symptom: Keras 3 creates `moving_mean` / `moving_variance` with
+# aggregation "none", so under a mirrored strategy each replica updates its
+# own copy from its part of the batch; plain `fit` on 4 replicas left the
+# copies 0.037 apart after one epoch, evaluation during training used each
+# replica's copy, and a checkpoint held replica 0's. Checked: Keras 3.15.1.
+# Workaround: `tfmulti.keras.distributed` and the Trainer average the copies
+# once per loop; plain `fit` under a tfmulti strategy averages them after
+# every train step (one small all-reduce per step, models with such
+# variables only). Guard: test_compat.py (batchnorm_statistics_per_replica).
+def statistics_averaged_after(train_step):
+    """`train_step` followed by the replicas' mean of its model's
+    per-replica statistics."""
+    from tfmulti.training import replica_statistics
+    return replica_statistics.averaged_after(train_step)
 
 
 def warn_if_keras_step_uneven(strategy, fn, args) -> None:
@@ -414,7 +435,7 @@ class KerasMirroredStrategy(tf.distribute.MirroredStrategy):
     callers with the shapes."""
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        check_keras_step(self, fn, args)
+        fn = check_keras_step(self, fn, args)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def reduce(self, reduce_op, value, axis=None):
@@ -520,3 +541,23 @@ def distributed_input_autotuned() -> bool:
 
 
 _distribute_without_autotune()
+
+
+# --- A from-function dataset counts per-replica batches as steps -----------
+# Symptom: `DistributedDatasetsFromFunction.cardinality` is the cardinality
+# of the first worker's dataset, which yields one batch per REPLICA; with R
+# replicas per worker Keras reads R times too many steps. Plain Keras
+# `evaluate` then calls its test function past the end ("Your input ran out
+# of data"), and in that last call the loss tracker's count update, whose
+# `tf.shape(x)[0]` TensorFlow folds to a constant, races the end-of-data
+# error and lands on some replicas: the loss's count came out 1029, 1050,
+# 1071 or 1092 for 1008 rows on 4 replicas, a different loss each run.
+# Checked: TF 2.21.0, Keras 3.15.1.
+# Workaround: `tfmulti.distribute_dataset` sets the known count of global
+# steps. Guard: test_compat.py (from_function_cardinality_per_replica).
+def set_global_steps(distributed_dataset, strategy) -> None:
+    """Makes a finite from-function dataset report global steps."""
+    per_worker = int(getattr(distributed_dataset, "_cardinality", -1))
+    replicas_here = len(strategy.extended.worker_devices)
+    if per_worker >= 0 and replicas_here > 1:
+        distributed_dataset._cardinality = per_worker // replicas_here

@@ -596,8 +596,8 @@ def _eval_exact_once(layout, how):
 def evaluate_exact_once():
     return {"one": {how: caught(lambda: _eval_exact_once("one", how))
                     for how in ("plain", "distributed")},
-            "m4": {"distributed": caught(
-                lambda: _eval_exact_once("m4", "distributed"))}}
+            "m4": {how: caught(lambda: _eval_exact_once("m4", how))
+                   for how in ("plain", "distributed")}}
 
 
 # -- BatchNormalization moving statistics per replica ----------------------

@@ -101,4 +101,29 @@ def _():
     return value == 0.5, f"per-replica loss {value} (unscaled: 1.0)"
 
 
+@guard("from_function_cardinality_per_replica")
+def _():
+    # 10 global steps of 2 per-replica batches on 2 replicas.
+    stock = MIRRORED.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.range(40).batch(2))
+    steps = sum(1 for _ in stock)
+    return int(stock.cardinality) == 2 * steps, (
+        f"cardinality {stock.cardinality} for {steps} steps")
+
+
+@guard("batchnorm_statistics_per_replica")
+def _():
+    # Stock strategy, plain fit: each replica updates its own copy.
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    with MIRRORED.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.BatchNormalization()])
+        model.compile("sgd", "mse")
+    model.fit(x, x, batch_size=16, epochs=1, verbose=0)
+    copies = [t.numpy() for t in MIRRORED.experimental_local_results(
+        model.layers[0].moving_mean.value)]
+    spread = float(np.max(np.abs(copies[0] - copies[1])))
+    return spread > 1e-4, f"replica copies {spread:.3g} apart"
+
+
 print(json.dumps(results), flush=True)

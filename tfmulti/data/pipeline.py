@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import compat
 from tfmulti.data import finiteness
 from tfmulti.data import sharding as sharding_lib
 
@@ -379,4 +380,7 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
               "training" if training else "evaluation")
     distributed = strategy.distribute_datasets_from_function(
         functools.partial(build_pipeline, dataset_fn, options=options))
-    return finiteness.mark_endless(distributed) if training else distributed
+    if training:
+        return finiteness.mark_endless(distributed)
+    compat.set_global_steps(distributed, strategy)
+    return distributed

@@ -13,10 +13,13 @@ statistics, so the mean of the replicas' copies is exactly what one copy
 updated with the mean of the replicas' batch statistics every step (an
 ON_WRITE MEAN variable) would hold. `average` sets every copy to that mean;
 the train loop calls it once at the end of each loop (one small all-reduce
-per loop, not per step).
+per loop, not per step). Plain Keras `fit` under a tfmulti strategy gets it
+after every step instead (`averaged_after`, through `tfmulti.compat`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import tensorflow as tf
 
@@ -50,15 +53,37 @@ def average(strategy, model, *, communication_options=None):
     if not variables:
         return
 
-    def replica_average():
-        context = tf.distribute.get_replica_context()
-        # Read in replica context, a variable with aggregation NONE is this
-        # replica's copy, and assigning it writes only that copy.
-        means = context.all_reduce(
-            tf.distribute.ReduceOp.MEAN,
-            [tf.identity(v.value) for v in variables],
-            options=communication_options)
-        for variable, mean in zip(variables, means):
-            variable.assign(mean)
+    strategy.run(lambda: _average_in_replica(
+        variables, communication_options=communication_options))
 
-    strategy.run(replica_average)
+
+def _average_in_replica(variables, *, communication_options=None):
+    context = tf.distribute.get_replica_context()
+    # Read in replica context, a variable with aggregation NONE is this
+    # replica's copy, and assigning it writes only that copy.
+    means = context.all_reduce(
+        tf.distribute.ReduceOp.MEAN,
+        [tf.identity(v.value) for v in variables],
+        options=communication_options)
+    for variable, mean in zip(variables, means):
+        variable.assign(mean)
+
+
+def averaged_after(train_step):
+    """Keras's plain `fit` step (a model's bound `train_step`, run in
+    replica context), followed by the average of the model's unsynchronized
+    variables: every step, as the step is all tfmulti sees of plain `fit`.
+    Automatic control dependencies read each variable after the step's own
+    update of it."""
+    model = train_step.__self__
+
+    @functools.wraps(train_step)
+    def step(*args, **kwargs):
+        logs = train_step(*args, **kwargs)
+        if tf.distribute.get_replica_context().num_replicas_in_sync > 1:
+            variables = unsynchronized(model)
+            if variables:
+                _average_in_replica(variables)
+        return logs
+
+    return step
