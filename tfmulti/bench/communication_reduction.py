@@ -74,7 +74,9 @@ def worker_main(**kwargs) -> dict:
     settings = Settings(**{k: tuple(v) if k == "configs" else v
                            for k, v in kwargs.items()})
     import tfmulti
-    strategy = tfmulti.strategies.multi_worker_on_cpus(2)
+    # A submodule, not an attribute `import tfmulti` sets.
+    from tfmulti import strategies
+    strategy = strategies.multi_worker_on_cpus(2)
 
     import keras
     from tfmulti import data, models
