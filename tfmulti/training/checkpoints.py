@@ -35,6 +35,7 @@ import tensorflow as tf
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat, watchdog
 from tfmulti.training import model_dir_lock, numerics
+from tfmulti.training import worker_state as worker_state_lib
 
 FORMAT = 1
 _BASENAME = "ckpt"
@@ -205,6 +206,10 @@ class Checkpointer:
         """Removes every checkpoint and the state file (the chief's)."""
         for _, prefix in self.checkpoints():
             _remove_checkpoint(prefix)
+        # The workers' own states (see `worker_state`) go with them.
+        shutil.rmtree(os.path.join(self._model_dir,
+                                   worker_state_lib.DIRECTORY),
+                      ignore_errors=True)
         for name in ("checkpoint",):
             try:
                 os.remove(os.path.join(self._model_dir, name))
