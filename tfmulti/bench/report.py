@@ -288,6 +288,7 @@ def plots(results: dict, out_dir: str) -> list[str]:
     except ImportError:
         return []
     matplotlib.use("Agg")
+    import matplotlib.ticker
     from matplotlib import pyplot as plt
 
     written = []
@@ -351,6 +352,8 @@ def plots(results: dict, out_dir: str) -> list[str]:
             ax.annotate(name, (f["inter_worker_bytes_per_example"],
                                100 * f["test_accuracy"]), fontsize=7)
         ax.set_xscale("log")
+        # Decade labels only: the minor ones overlap.
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("bytes between workers per training example")
         ax.set_ylabel("test accuracy (%)")
         ax.set_title("2 workers x 2 replicas, same examples seen")

@@ -209,6 +209,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._unwrap()
         # Keras never resets it: a second `fit` would start there too.
         compat.set_initial_epoch(self.model, None)
+        if self.delete_on_end:
+            self._checkpointer.delete_worker_state()
         if self.delete_on_end and self._checkpointer.is_chief:
             self._checkpointer.delete_all()
             try:

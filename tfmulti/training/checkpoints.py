@@ -35,7 +35,6 @@ import tensorflow as tf
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat, watchdog
 from tfmulti.training import model_dir_lock, numerics
-from tfmulti.training import worker_state as worker_state_lib
 
 FORMAT = 1
 _BASENAME = "ckpt"
@@ -206,15 +205,17 @@ class Checkpointer:
         """Removes every checkpoint and the state file (the chief's)."""
         for _, prefix in self.checkpoints():
             _remove_checkpoint(prefix)
-        # The workers' own states (see `worker_state`) go with them.
-        shutil.rmtree(os.path.join(self._model_dir,
-                                   worker_state_lib.DIRECTORY),
-                      ignore_errors=True)
         for name in ("checkpoint",):
             try:
                 os.remove(os.path.join(self._model_dir, name))
             except FileNotFoundError:
                 pass
+
+    def delete_worker_state(self) -> None:
+        """Removes this worker's own states (every worker calls it; the
+        chief's `delete_all` cannot: another worker may still be writing)."""
+        if self._worker_state is not None:
+            self._worker_state.remove_own(self._model_dir)
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """`(step, prefix)` of the complete checkpoints, oldest first."""

@@ -96,6 +96,15 @@ class WorkerState:
             self.path(model_dir, step, self.rank), "state")
         ).assert_existing_objects_matched()
 
+    def remove_own(self, model_dir) -> None:
+        """Removes every state of this worker, and the directory once no
+        worker has any left."""
+        self.prune(model_dir, 1 << 62, ())
+        try:
+            os.rmdir(os.path.join(os.fspath(model_dir), DIRECTORY))
+        except OSError:
+            pass  # another worker's states are still there
+
     def prune(self, model_dir, step: int, kept_steps) -> None:
         """Removes this worker's states older than `step` whose chief's
         checkpoint is gone (rotated), and its leftovers of killed writes."""
