@@ -171,7 +171,8 @@ def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
 
 def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         steps: int = 256, repeats: int = 5, model: str = "mlp",
-        xla: bool = True, devices=None) -> dict:
+        xla: bool = True, steps_per_loop_1: bool = True,
+        devices=None) -> dict:
     """Measures every variant in this process; returns the figures.
 
     Must run in a fresh process (it lays out `replicas` simulated devices),
@@ -182,7 +183,8 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     a burst of load on a shared machine hits both sides of a ratio alike.
 
     With `xla`, also the Trainer with `jit_compile=True`
-    ("trainer_32_xla"), judged against the UNCOMPILED bare loop.
+    ("trainer_32_xla"), judged against the UNCOMPILED bare loop. Without
+    `steps_per_loop_1`, no "trainer_1" (no goal is judged by it).
 
     Returns:
       {"bare_loop_32", "trainer_32", "trainer_1", "keras_fit",
@@ -205,11 +207,13 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     variants = [
         _bare_loop(strategy, dataset, build, steps),
         _trainer(strategy, dataset, build, steps, LOOP, name="trainer_32"),
-        _trainer(strategy, dataset, build, steps, 1, name="trainer_1"),
         _keras_fit(strategy, dataset, build, steps, name="keras_fit"),
         _keras_fit(strategy, dataset, build, steps, name="tfmulti_fit_32",
                    tfmulti_fit=True),
     ]
+    if steps_per_loop_1:
+        variants.append(_trainer(strategy, dataset, build, steps, 1,
+                                 name="trainer_1"))
     if xla:
         variants.append(_trainer(strategy, dataset, build, steps, LOOP,
                                  name="trainer_32_xla", jit_compile=True))
