@@ -1,20 +1,23 @@
 """Local SGD / DiLoCo and PowerSGD: golden equalities and traffic counts.
 
 One pair of worker processes with 2 simulated CPU replicas each (2 workers
-x 2 replicas) trains every case under multi_worker, then is SIGKILLed after
-a checkpoint; a second pair resumes from it. H=1 local SGD equals the synchronous Trainer;
-PowerSGD at full rank equals uncompressed training; the bytes counted where
-the reductions are issued follow 1/H and (m+n)r/(mn).
+x 2 replicas) trains every case under multi_worker, then is SIGKILLed
+between synchronisations, right after a checkpoint; a second pair resumes
+from it. A third process (4 replicas under MirroredStrategy) runs beside the
+pair. H=1 local SGD equals the synchronous Trainer; PowerSGD at full rank
+equals uncompressed training; the bytes counted where the reductions are
+issued follow 1/H and (m+n)r/(mn); a resumed run equals an uninterrupted one.
 """
 
 import json
 import signal
+import threading
 
 import numpy as np
 import pytest
 
 import tfmulti
-from tests.subproc import run_workers
+from tests.subproc import run_python, run_workers
 from tests.test_recipes import _parse
 from tfmulti.training import powersgd
 
@@ -34,14 +37,30 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(out):
-    # The same worker processes also train the first 5 updates of the
-    # resume test, saving checkpoints to model/, then kill themselves.
-    for rc, output in run_workers(
-            [WORKER, "multi_worker", str(out / "worker{index}.json"),
-             str(out / "model")], 2, timeout=600, check=False):
-        assert rc == -signal.SIGKILL, output[-4000:]
+    # The mirrored-4 process runs beside the worker pair (it is small).
+    mirrored = {}
+    thread = threading.Thread(target=lambda: mirrored.update(result=run_python(
+        [WORKER, "mirrored", str(out / "mirrored{index}.json"), "-"],
+        timeout=600, check=False)))
+    thread.start()
+    try:
+        # The same worker processes also train the first 5 updates of the
+        # resume test, saving checkpoints to model/, then kill themselves.
+        for rc, output in run_workers(
+                [WORKER, "multi_worker", str(out / "worker{index}.json"),
+                 str(out / "model")], 2, timeout=600, check=False):
+            assert rc == -signal.SIGKILL, output[-4000:]
+    finally:
+        thread.join()
+    rc, output = mirrored["result"]
+    assert rc == 0, output[-4000:]
     return [json.loads((out / f"worker{i}.json").read_text())
             for i in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def mirrored(runs, out):
+    return json.loads((out / "mirrored0.json").read_text())
 
 
 def max_diff(a, b):
@@ -62,11 +81,44 @@ def test_layout(runs):
     ("local_path_h1", "sync_sgd", LOCAL_SGD_TOLERANCE),
     ("powersgd_full_clip_accum", "sync_clip_accum", POWERSGD_TOLERANCE),
     ("keras_powersgd_full", "keras_sync", POWERSGD_TOLERANCE),
+    ("local_path_h1_bn", "sync_sgd_bn", LOCAL_SGD_TOLERANCE),
 ])
 def test_equals_synchronous(runs, case, golden, tolerance):
     for run in runs:
         assert run[case].get("replicas_equal", True)
         assert max_diff(run[case], run[golden]) <= tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,golden,tolerance", [
+    ("local_h1", "sync", LOCAL_SGD_TOLERANCE),
+    ("local_path_h1", "sync_sgd", LOCAL_SGD_TOLERANCE),
+    ("powersgd_full", "sync", POWERSGD_TOLERANCE),
+])
+def test_equals_synchronous_mirrored_4(mirrored, case, golden, tolerance):
+    assert mirrored["replicas"] == 4
+    assert mirrored[case]["replicas_equal"]
+    assert max_diff(mirrored[case], mirrored[golden]) <= tolerance
+
+
+@pytest.mark.slow
+def test_batchnorm_statistics_averaged(runs):
+    # Moving statistics are linear in each replica's batch statistics, so
+    # their mean over all 4 replicas is what one copy updated with the global
+    # batch statistics holds; local SGD averages them at each
+    # synchronisation (and the train loop at its end), as the synchronous
+    # run does at the loop's end: every replica of both workers holds it.
+    def every_replica(case):
+        # [variable] -> array [replica 0, 1 of worker 0, then of worker 1]
+        return [np.array(runs[0][case]["state"][v] + runs[1][case]["state"][v])
+                for v in range(len(runs[0][case]["state"]))]
+
+    averaged, golden = every_replica("local_path_h1_bn"), every_replica(
+        "sync_sgd_bn")
+    assert len(averaged) == 2  # moving mean and variance
+    for a, g in zip(averaged, golden):
+        assert np.abs(g - g[0]).max() == 0.0
+        np.testing.assert_allclose(a, g, atol=LOCAL_SGD_TOLERANCE)
 
 
 @pytest.mark.slow
@@ -159,26 +211,50 @@ def test_combinations_rejected():
         reduction.check_options(None, "powersgd")
 
 
-@pytest.mark.slow
-def test_local_sgd_resume_equals_uninterrupted(runs, out):
+def assert_same_state(resumed, whole):
+    """Losses, weights and every replica's value of every model and
+    optimizer variable, within 1e-6."""
+    np.testing.assert_allclose(resumed["loss"], whole["loss"][-len(
+        resumed["loss"]):], atol=LOCAL_SGD_TOLERANCE)
+    for a, b in zip(resumed["weights"], whole["weights"]):
+        np.testing.assert_allclose(a, b, atol=LOCAL_SGD_TOLERANCE)
+    assert len(resumed["all_replicas"]) == len(whole["all_replicas"])
+    for a, b in zip(resumed["all_replicas"], whole["all_replicas"]):
+        np.testing.assert_allclose(np.array(a), np.array(b),
+                                   atol=LOCAL_SGD_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, out):
     # `runs` trained the first 5 updates and was killed; new processes resume.
     run_workers([WORKER, "resume", str(out / "resume{index}.json"),
-                 str(out / "model")], 2, timeout=300)
+                 str(out / "model")], 2, timeout=400)
+    return [json.loads((out / f"resume{i}.json").read_text())
+            for i in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["resume_local", "resume_powersgd"])
+def test_resume_between_syncs_equals_uninterrupted(runs, resumed, case):
+    first, second = runs
+    # Killed where the workers differ: local SGD last synchronised at 4.
+    if case == "resume_local":
+        assert max_diff(dict(first["first_" + case], loss=[0]),
+                        dict(second["first_" + case], loss=[0])) > 1e-4
     for i in (0, 1):
-        assert len(runs[i]["first"]["loss"]) == 5
-        # Anchors, outer momentum and the update count are in it.
-        names = " ".join(runs[i]["checkpointed"])
-        for part in ("anchors", "outer_momentum", "updates"):
-            assert part in names
-        resumed = json.loads((out / f"resume{i}.json").read_text())["resumed"]
-        whole = runs[i]["uninterrupted"]
-        # Warm-up 1, H=2: step 5 is a synchronisation point, saved.
-        assert resumed["start_step"] == 5
-        # The resumed job's losses are the uninterrupted run's last 3.
-        np.testing.assert_allclose(resumed["loss"], whole["loss"][5:],
-                                   atol=1e-6)
-        for a, b in zip(resumed["weights"], whole["weights"]):
-            np.testing.assert_allclose(a, b, atol=1e-6)
+        assert len(runs[i]["first_" + case]["loss"]) == 5
+        assert resumed[i][case]["start_step"] == 5
+        assert_same_state(resumed[i][case], runs[i]["uninterrupted_" + case])
+    names = " ".join(runs[0]["checkpointed"])
+    for part in ("anchors", "outer_momentum", "updates"):
+        assert part in names
+
+
+@pytest.mark.slow
+def test_keras_fit_resume_between_syncs_equals_uninterrupted(runs, resumed):
+    for i in (0, 1):
+        assert_same_state(resumed[i]["resume_keras"],
+                          runs[i]["uninterrupted_keras"])
 
 
 def test_recipe_flags():

@@ -1,12 +1,16 @@
 """Trainer runs with local SGD / DiLoCo / PowerSGD for the golden tests.
 
-Usage: communication_golden.py MODE OUT_JSON MODEL_DIR, under TF_CONFIG, 2
-simulated CPU replicas per worker (the 2 workers x 2 replicas topology).
-MODE=multi_worker: trains every case, an uninterrupted 8-update local SGD
-run, then 5 updates of it with checkpoints in MODEL_DIR, writes OUT_JSON and
-SIGKILLs itself (no clean shutdown).
-MODE=resume (new processes): restores MODEL_DIR and trains to 8 updates.
-Writes {case: {"loss", "weights", "replicas_equal", "communication"}}.
+Usage: communication_golden.py MODE OUT_JSON MODEL_DIR.
+MODE=multi_worker (under TF_CONFIG, 2 simulated CPU replicas per worker: the
+2 workers x 2 replicas topology): trains every case; the uninterrupted
+8-update runs of the resume cases (Trainer local SGD, Trainer PowerSGD,
+`tfmulti.keras.distributed` fit with BackupAndRestore), then their first 5
+updates with a checkpoint after each in MODEL_DIR/<case>, and SIGKILLs
+itself right after the 5th update's backup in `fit` (no clean shutdown).
+MODE=resume (new processes): restores each MODEL_DIR/<case>, trains to 8.
+MODE=mirrored (no TF_CONFIG; 4 simulated replicas in one process): the
+equality cases under MirroredStrategy.
+Writes {case: {"loss", "weights", "replicas_equal", "communication", ...}}.
 """
 
 import gc
@@ -22,7 +26,11 @@ from tfmulti import strategies  # noqa: E402
 from tfmulti.training import communication  # noqa: E402
 
 MODE, OUT, MODEL_DIR = sys.argv[1:4]
-strategy = strategies.multi_worker_on_cpus(2)
+if MODE == "mirrored":
+    strategy = tfmulti.create_strategy(
+        "mirrored", devices=tfmulti.simulate_devices(4))
+else:
+    strategy = strategies.multi_worker_on_cpus(2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,14 +66,22 @@ CASES = {
                                         "clip_global_norm": 0.05,
                                         "grad_accum_steps": 2}),
     "powersgd_r1": (ADAM, {"compression": tfmulti.PowerSGD(rank=1)}),
+    # BatchNorm: each replica's moving statistics are its own; local SGD
+    # averages them over every replica at each synchronisation.
+    "sync_sgd_bn": (SGD, {"batch_norm": True}),
+    "local_path_h1_bn": (SGD, {"batch_norm": True, "sync": tfmulti.LocalSGD(
+        every=1, outer_optimizer=tfmulti.OuterSGD(learning_rate=1.0,
+                                                  momentum=0.0))}),
 }
 
 
-def build(make_optimizer):
+def build(make_optimizer, batch_norm=False):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([
             keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+            *([keras.layers.BatchNormalization(momentum=0.5)]
+              if batch_norm else []),
             keras.layers.Dense(3)])
         return model, make_optimizer()
 
@@ -76,7 +92,8 @@ def dataset():
 
 
 def trainer_for(make_optimizer, kwargs, model_dir=None):
-    model, optimizer = build(make_optimizer)
+    kwargs = dict(kwargs)
+    model, optimizer = build(make_optimizer, kwargs.pop("batch_norm", False))
     return model, tfmulti.Trainer(
         model, optimizer, strategy=strategy, steps_per_loop=4,
         model_dir=model_dir,
@@ -85,15 +102,25 @@ def trainer_for(make_optimizer, kwargs, model_dir=None):
         **kwargs)
 
 
+def per_replica(variables):
+    """Every local replica's value of every variable."""
+    return [[r.numpy().tolist() for r in
+             strategy.experimental_local_results(v.value)]
+            for v in variables]
+
+
 def result(model, trainer, history):
-    replicas = [[r.numpy() for r in
-                 strategy.experimental_local_results(v.value)]
-                for v in model.trainable_variables]
+    replicas = per_replica(model.trainable_variables)
     return {"loss": history["step_loss"],
             "weights": [w.tolist() for w in model.get_weights()],
             "shapes": [list(v.shape) for v in model.trainable_variables],
             "replicas_equal": all(np.array_equal(r[0], other)
                                   for r in replicas for other in r[1:]),
+            # BatchNorm moving statistics: one value per replica.
+            "state": per_replica(model.non_trainable_variables),
+            # Everything a resumed run must have restored, every replica.
+            "all_replicas": per_replica(model.variables) + per_replica(
+                trainer.optimizer.variables),
             "communication": trainer.communication}
 
 
@@ -112,22 +139,75 @@ def keras_fit(kwargs):
             "communication": tfmulti.keras.communication(model)}
 
 
+class KillAfter(keras.callbacks.Callback):
+    """SIGKILLs this worker once `fit` has made `steps` updates (after the
+    BackupAndRestore before it in the callback list saved them)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self._steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self._steps:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def keras_resumable(backup_dir, *, kill_after=None):
+    """Keras fit, local SGD H=3 after 1 warm-up step with DiLoCo outer
+    momentum, inner SGD momentum, BatchNorm: 2 epochs of 4 batches, a
+    backup after every batch."""
+    model, optimizer = build(SGD, batch_norm=True)
+    with strategy.scope():
+        model.compile(optimizer=optimizer, steps_per_execution=1,
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+    tfmulti.keras.distributed(model, sync=RESUME_LOCAL[1]["sync"])
+    callbacks = [tfmulti.keras.BackupAndRestore(backup_dir, save_freq=1)]
+    if kill_after:
+        callbacks.append(KillAfter(kill_after))
+    # A finite dataset: every epoch reads the same 4 batches, so skipping
+    # the restored epoch's done batches puts the data where it was.
+    model.fit(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((X[:4 * BATCH], Y[:4 * BATCH]))
+        .batch(BATCH, drop_remainder=True)), epochs=2, verbose=0,
+        callbacks=callbacks)
+    return {"weights": [w.tolist() for w in model.get_weights()],
+            "loss": [0.0],
+            "all_replicas": per_replica(model.variables) + per_replica(
+                model.optimizer.variables)}
+
+
 results = {"workers": communication.num_workers(strategy),
            "replicas": strategy.num_replicas_in_sync}
-# No inner momentum: each worker's inner optimizer state is its own and
-# only the chief's is checkpointed (see BUILD_NOTES); the outer (DiLoCo)
-# momentum is the same on every worker and is.
-RESUME_CASE = (lambda: keras.optimizers.SGD(0.1),
-               {"sync": tfmulti.LocalSGD(every=2, outer_optimizer=(
-                   tfmulti.OuterSGD()), warmup_steps=1)})
+# Killed after update 5, which is NOT a synchronisation point (warm-up 1,
+# H=3: the workers synchronise after updates 4 and 7): each worker's weights,
+# inner momentum, BatchNorm statistics and anchors are its own.
+RESUME_LOCAL = (SGD, {"batch_norm": True, "sync": tfmulti.LocalSGD(
+    every=3, outer_optimizer=tfmulti.OuterSGD(), warmup_steps=1)})
+# Every replica's error-feedback buffer is its own.
+RESUME_POWERSGD = (ADAM, {"compression": tfmulti.PowerSGD(rank=1)})
+RESUMED = {"resume_local": RESUME_LOCAL, "resume_powersgd": RESUME_POWERSGD}
+FIRST_STEPS = 5
 
 
-def checkpointed():
+def checkpointed(model_dir):
     return sorted(name for name, _ in tf.train.list_variables(
-        tf.train.latest_checkpoint(MODEL_DIR)) if "local_sgd" in name)
+        tf.train.latest_checkpoint(model_dir)) if "local_sgd" in name)
 
 
-if MODE == "multi_worker":
+if MODE == "mirrored":
+    # One worker, 4 replicas: no worker to average with, so local SGD is the
+    # synchronous update; full-rank PowerSGD equals it too.
+    for name in ("sync", "local_h1", "local_path_h1", "sync_sgd"):
+        gc.collect()
+        model, trainer = trainer_for(*CASES[name])
+        results[name] = result(model, trainer,
+                               trainer.fit(dataset(), steps=STEPS, verbose=0))
+    model, trainer = trainer_for(ADAM, {"compression": FULL_RANK})
+    results["powersgd_full"] = result(
+        model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
+elif MODE == "multi_worker":
     for name, (make_optimizer, kwargs) in CASES.items():
         gc.collect()
         gc.freeze()
@@ -140,28 +220,39 @@ if MODE == "multi_worker":
         gc.collect()
         gc.freeze()
         results[name] = keras_fit(kwargs)
-    model, trainer = trainer_for(*RESUME_CASE)
-    results["uninterrupted"] = result(
-        model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
-    # The first half of the resume test: 5 updates, a checkpoint at each.
-    model, trainer = trainer_for(*RESUME_CASE, model_dir=MODEL_DIR)
-    results["first"] = result(model, trainer, trainer.fit(
-        dataset(), steps=5, checkpoint_every=1, verbose=0))
-    results["checkpointed"] = checkpointed()
-else:
-    model, trainer = trainer_for(*RESUME_CASE, model_dir=MODEL_DIR)
-    history = trainer.fit(dataset(), steps=STEPS, checkpoint_every=1,
-                          verbose=0)
-    results["resumed"] = result(model, trainer, history)
-    results["resumed"]["start_step"] = history["step"][-1] - len(
-        history["step_loss"])
-with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:
-    json.dump(results, f)
-if MODE == "multi_worker":
+    for name, case in RESUMED.items():
+        model, trainer = trainer_for(*case)
+        results["uninterrupted_" + name] = result(
+            model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
+    results["uninterrupted_keras"] = keras_resumable(
+        os.path.join(MODEL_DIR, "keras_whole"))
+    # The first halves: 5 updates, a checkpoint after each.
+    for name, case in RESUMED.items():
+        model, trainer = trainer_for(*case, model_dir=os.path.join(
+            MODEL_DIR, name))
+        results["first_" + name] = result(model, trainer, trainer.fit(
+            dataset(), steps=FIRST_STEPS, checkpoint_every=1, verbose=0))
+    results["checkpointed"] = checkpointed(os.path.join(MODEL_DIR,
+                                                        "resume_local"))
+    with open(OUT.format(index=tfmulti.cluster_config().task_index),
+              "w") as f:
+        json.dump(results, f)
     # A crash, not an exit: what the restart resumes from is only what the
-    # checkpoint holds.
-    # checkpoint holds. The all-reduce first: no peer is left waiting in a
-    # collective of this worker's.
-    strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    # checkpoints hold.
+    keras_resumable(os.path.join(MODEL_DIR, "keras"),
+                    kill_after=FIRST_STEPS)
+    raise SystemExit("KillAfter did not kill this worker")
+else:
+    for name, case in RESUMED.items():
+        model, trainer = trainer_for(*case, model_dir=os.path.join(
+            MODEL_DIR, name))
+        history = trainer.fit(dataset(), steps=STEPS, checkpoint_every=1,
+                              verbose=0)
+        results[name] = result(model, trainer, history)
+        results[name]["start_step"] = history["step"][-1] - len(
+            history["step_loss"])
+    results["resume_keras"] = keras_resumable(os.path.join(MODEL_DIR,
+                                                           "keras"))
+index = 0 if MODE == "mirrored" else tfmulti.cluster_config().task_index
+with open(OUT.format(index=index), "w") as f:
+    json.dump(results, f)

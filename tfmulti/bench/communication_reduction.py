@@ -23,16 +23,20 @@ class Settings:
     """What every configuration trains.
 
     Attributes:
-      steps: updates per configuration.
+      steps: updates per configuration (624: two epochs of the 20,000
+        training examples).
       global_batch_size: examples per update over the 4 replicas.
       learning_rate: Adam's learning rate (inner optimizer of local SGD).
+        2e-3 left even synchronous training stuck at chance in some runs
+        (test loss ln 10 after 96 steps) and not in others, so one run
+        could not compare the methods; 1e-3 trains every configuration.
       data_dir: TFDS data dir holding `tfmulti_shapes`.
       configs: which of `CONFIGS` to run.
     """
 
-    steps: int = 312
+    steps: int = 624
     global_batch_size: int = 64
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     data_dir: str | None = None
     configs: tuple = CONFIGS
 
@@ -70,7 +74,9 @@ def worker_main(**kwargs) -> dict:
     settings = Settings(**{k: tuple(v) if k == "configs" else v
                            for k, v in kwargs.items()})
     import tfmulti
-    strategy = tfmulti.strategies.multi_worker_on_cpus(2)
+    # A submodule, not an attribute `import tfmulti` sets.
+    from tfmulti import strategies
+    strategy = strategies.multi_worker_on_cpus(2)
 
     import keras
     from tfmulti import data, models
@@ -148,11 +154,15 @@ def goals(configs: dict) -> list[dict]:
         if not (sync and run):
             continue
         drop = sync["test_accuracy"] - run["test_accuracy"]
-        found.append({"name": f"{name}: accuracy below sync (points)",
-                      "value": 100 * drop, "goal": "<= 1",
-                      "met": bool(100 * drop <= 1)})
-        found.append({"name": f"{name}: fewer inter-worker bytes than sync",
-                      "value": run["bytes_reduction_vs_sync"],
-                      "goal": f">= {factor}",
-                      "met": bool(run["bytes_reduction_vs_sync"] >= factor)})
+        for goal in (
+                {"name": f"{name}: accuracy below sync (points)",
+                 "value": 100 * drop, "goal": "<= 1",
+                 "met": bool(100 * drop <= 1)},
+                {"name": f"{name}: fewer inter-worker bytes than sync",
+                 "value": run["bytes_reduction_vs_sync"],
+                 "goal": f">= {factor}",
+                 "met": bool(run["bytes_reduction_vs_sync"] >= factor)}):
+            # The report's goal format (`report.goals`).
+            found.append(dict(goal, status="met" if goal["met"] else
+                              "MISSED"))
     return found

@@ -288,6 +288,7 @@ def plots(results: dict, out_dir: str) -> list[str]:
     except ImportError:
         return []
     matplotlib.use("Agg")
+    import matplotlib.ticker
     from matplotlib import pyplot as plt
 
     written = []
@@ -342,6 +343,25 @@ def plots(results: dict, out_dir: str) -> list[str]:
         fig.savefig(os.path.join(out_dir, "communication.png"), dpi=80)
         plt.close(fig)
         written.append("communication.png")
+    reduced = (results.get("communication_reduction") or {}).get("configs")
+    if reduced:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, f in reduced.items():
+            ax.scatter(f["inter_worker_bytes_per_example"],
+                       100 * f["test_accuracy"])
+            ax.annotate(name, (f["inter_worker_bytes_per_example"],
+                               100 * f["test_accuracy"]), fontsize=7)
+        ax.set_xscale("log")
+        # Decade labels only: the minor ones overlap.
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("bytes between workers per training example")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title("2 workers x 2 replicas, same examples seen")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "communication_reduction.png"),
+                    dpi=80)
+        plt.close(fig)
+        written.append("communication_reduction.png")
     return written
 
 

@@ -27,6 +27,7 @@ from tfmulti.keras import pipelined as pipelined_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
+from tfmulti.training import worker_state as worker_state_lib
 from tfmulti.training.checkpoints import worker_temp_dir
 
 BACKUP_DIR = "backup"
@@ -101,9 +102,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         # A pipelined model saves its stage optimizers in the unsplit
         # optimizer's format, as the Trainer does.
         optimizer, after_restore = pipelined_lib.checkpoint_optimizer(model)
+        # `fit` made the train function (and its reducer) before this.
+        reducer = fit_lib.reducer_of(model)
         self._checkpointer = checkpoints_lib.Checkpointer(
             self.backup_dir, strategy, keep=2, model=model,
-            optimizer=optimizer)
+            optimizer=optimizer, worker_state=(
+                worker_state_lib.for_training(strategy, reducer, model,
+                                              model.optimizer)
+                if reducer is not None and after_restore is None else None),
+            **(reducer.trackables() if reducer is not None else {}))
         try:
             position = self._checkpointer.restore()
             if position is not None and after_restore is not None:
@@ -202,6 +209,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._unwrap()
         # Keras never resets it: a second `fit` would start there too.
         compat.set_initial_epoch(self.model, None)
+        if self.delete_on_end:
+            self._checkpointer.delete_worker_state()
         if self.delete_on_end and self._checkpointer.is_chief:
             self._checkpointer.delete_all()
             try:

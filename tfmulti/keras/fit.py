@@ -37,7 +37,7 @@ from tfmulti.training import data_checks
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import reduction
+from tfmulti.training import reduction, replica_statistics
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer as trainer_lib
 from tfmulti.training import xla as xla_lib
@@ -370,6 +370,7 @@ def _make_train_function(model, force=False):
         state.reducer = reduction.make_reducer(
             strategy, model.trainable_variables, sync=state.sync,
             compression=state.compression,
+            state_variables=replica_statistics.unsynchronized(model),
             communication_options=communication_options,
             allreduce_dtype=state.options.allreduce_dtype)
     train_step = step_lib.TrainStep(
@@ -613,6 +614,14 @@ def batches_per_step(model) -> int:
     `distributed(model, grad_accum_steps=K)`, else 1."""
     state = getattr(model, _STATE, None)
     return state.options.grad_accum_steps if state is not None else 1
+
+
+def reducer_of(model):
+    """The reducer of a `distributed` model's `fit` (its local SGD or
+    PowerSGD state), or None before the first train function / without
+    `distributed`."""
+    state = getattr(model, _STATE, None)
+    return None if state is None else state.reducer
 
 
 def communication(model) -> dict:

@@ -150,13 +150,19 @@ class Checkpointer:
       optional: names of `trackables` a checkpoint may lack (restored when
         present; `.missing` lists those the restored one lacked), e.g. the
         Trainer's data iterator in a checkpoint Keras `fit` wrote.
+      worker_state: a `worker_state.WorkerState` every worker also saves
+        (its own per-replica values); a checkpoint is then restored only
+        with every worker's state for its step, unless the number of
+        workers changed (elastic resume: the chief's values only).
       **trackables: what to save besides the position, e.g. model=,
         optimizer=; later features add their own.
     """
 
     def __init__(self, model_dir: str, strategy, *, keep: int = _KEEP,
-                 optional: tuple[str, ...] = (), **trackables):
+                 optional: tuple[str, ...] = (), worker_state=None,
+                 **trackables):
         self._model_dir = os.fspath(model_dir)
+        self._worker_state = worker_state
         self._cluster = cluster_lib.of_strategy(strategy)
         self._chief = self._cluster.is_chief
         self._keep = keep
@@ -205,6 +211,12 @@ class Checkpointer:
             except FileNotFoundError:
                 pass
 
+    def delete_worker_state(self) -> None:
+        """Removes this worker's own states (every worker calls it; the
+        chief's `delete_all` cannot: another worker may still be writing)."""
+        if self._worker_state is not None:
+            self._worker_state.remove_own(self._model_dir)
+
     def checkpoints(self) -> list[tuple[int, str]]:
         """`(step, prefix)` of the complete checkpoints, oldest first."""
         return compat.checkpoint_prefixes(self._model_dir,
@@ -223,11 +235,16 @@ class Checkpointer:
         """
         self.restored_path = None
         failures = []
-        for _, path in reversed(self.checkpoints()):
+        for step, path in reversed(self.checkpoints()):
+            per_worker = self._uses_worker_state(step, path)
+            if per_worker is None:
+                continue
             try:
                 with compat.readable_checkpoint(path) as readable:
                     self._checkpoint_for(readable).restore(
                         readable).assert_existing_objects_matched()
+                if per_worker:
+                    self._worker_state.restore(self._model_dir, step)
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 failures.append((path, e))
                 continue
@@ -257,6 +274,28 @@ class Checkpointer:
             + ". They are damaged (storage fault or a copy cut short); "
             "restore them from a backup, or use a new `model_dir` to start "
             "over.") from e
+
+    def _uses_worker_state(self, step, path):
+        """True: restore `path` with the workers' states; False: without
+        (none kept, or another number of workers); None: skip it (a
+        worker's state for it is missing: killed mid-save)."""
+        state = self._worker_state
+        if state is None:
+            return False
+        saved = read_position(path)
+        if saved is not None and saved.num_workers not in (
+                None, state.num_workers):
+            _log.warning("tfmulti: %s was saved by %s workers, this job has "
+                         "%s: each worker's own state (local SGD weights "
+                         "and optimizer slots, error feedback) is dropped; "
+                         "all resume from the chief's", path,
+                         saved.num_workers, state.num_workers)
+            return False
+        if state.complete(self._model_dir, step):
+            return True
+        _log.warning("tfmulti: %s lacks a worker's state (a save cut "
+                     "short); resuming from an older checkpoint", path)
+        return None
 
     def _checkpoint_for(self, readable):
         """The checkpoint object to restore `readable` into: without the
@@ -323,6 +362,7 @@ class Checkpointer:
                 self.checkpoint.write(os.path.join(directory, _BASENAME))
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
+            self._save_worker_state(position.step)
             return None
         prefix = os.path.join(self._model_dir,
                               f"{_BASENAME}-{position.step}")
@@ -330,7 +370,15 @@ class Checkpointer:
         kept = self.checkpoints()
         self._rotate(kept)
         _write_state_file(self._model_dir, [p for _, p in kept[-self._keep:]])
+        self._save_worker_state(position.step)
         return path
+
+    def _save_worker_state(self, step):
+        if self._worker_state is None:
+            return
+        self._worker_state.write(self._model_dir, step)
+        self._worker_state.prune(self._model_dir, step,
+                                 [s for s, _ in self.checkpoints()])
 
     def _rotate(self, kept):
         old = kept[:-self._keep]

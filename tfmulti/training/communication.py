@@ -28,6 +28,12 @@ from tfmulti.training import gradients as gradients_lib
 # group key names ONE device set across the whole cluster.
 _WORKER_GROUP_KEY_BASE = 1_000_000_000
 _WORKER_GROUP_KEY_STRIDE = 1_000
+# Worker-local groups made so far in this process: each reducer gets a group
+# of its own. Reusing one would restart its instance keys at the first ones,
+# which TensorFlow's collective executor still maps to the previous model's
+# shapes ("Shape mismatch in the collective instance 100", measured with two
+# local-SGD Trainers in one process).
+_worker_groups_made = 0
 
 TRAFFIC_KEYS = ("all_reduce_calls", "all_reduce_bytes", "inter_worker_calls",
                 "inter_worker_bytes")
@@ -102,13 +108,20 @@ def worker_all_reduce_fn(strategy, options=None):
         return reduce_all
     if len(local_devices) == 1:
         return list
+    global _worker_groups_made
+    _worker_groups_made += 1
+    if _worker_groups_made >= _WORKER_GROUP_KEY_STRIDE:
+        raise RuntimeError(
+            f"{_worker_groups_made} worker-local reducers made in one "
+            "process; the collective group keys reserved for them are "
+            "exhausted. Make one Trainer per process and reuse it.")
     task = strategy.cluster_resolver.task_id
     ops = cross_device_lib.CollectiveAllReduce(
         devices=local_devices, group_size=len(local_devices),
         options=options or tf.distribute.experimental.CommunicationOptions(),
         collective_keys=cross_device_utils.CollectiveKeys(
             group_key_start=_WORKER_GROUP_KEY_BASE +
-            _WORKER_GROUP_KEY_STRIDE * task))
+            _WORKER_GROUP_KEY_STRIDE * task + _worker_groups_made))
     communication = options or tf.distribute.experimental.CommunicationOptions()
 
     def reduce_local(values):
@@ -191,55 +204,6 @@ class SynchronousReducer:
         """Extra checkpoint state: none."""
         return {}
 
-    def at_sync_point(self, step: int) -> bool:
-        """Checkpoints may be saved after any update."""
-        del step
-        return True
-
-    def steps_to_boundary(self, step: int) -> int | None:
-        """Updates until the next point where checkpoints may be saved;
-        None: anywhere."""
-        del step
-        return None
-
-
-class _AtSyncPoints:
-    """A controller schedule whose runs wait for a synchronisation point.
-
-    Wraps `schedule` (see `training.controller.Schedule`): the inner loop
-    also ends at every point where the workers hold equal weights, and a run
-    that falls due between them happens at the next one.
-    """
-
-    exact = True
-
-    def __init__(self, schedule, reducer):
-        self._schedule = schedule
-        self._reducer = reducer
-        self.every_steps = schedule.every_steps
-        self.every_seconds = schedule.every_seconds
-        self._pending = False
-
-    def steps_to_boundary(self, step: int) -> int:
-        bounds = [b for b in (self._schedule.steps_to_boundary(step),
-                              self._reducer.steps_to_boundary(step))
-                  if b is not None]
-        # No boundary: any length (the controller caps it anyway).
-        return min(bounds) if bounds else 1 << 62
-
-    def due(self, *, before, after, at_end, seconds_since) -> bool:
-        self._pending = self._pending or self._schedule.due(
-            before=before, after=after, at_end=at_end,
-            seconds_since=seconds_since)
-        if self._pending and self._reducer.at_sync_point(after):
-            self._pending = False
-            return True
-        return False
-
-
-def at_sync_points(schedule, reducer):
-    """`schedule` for checkpoints under `reducer`: unchanged when workers
-    always agree, else deferred to synchronisation points (local SGD)."""
-    if reducer.steps_to_boundary(0) is None and reducer.at_sync_point(1):
-        return schedule
-    return _AtSyncPoints(schedule, reducer)
+    def state_variables(self) -> list:
+        """Per-worker state: none (every replica holds the same values)."""
+        return []

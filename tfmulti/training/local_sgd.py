@@ -109,13 +109,21 @@ class LocalSGDReducer:
       strategy: the strategy the variables live in.
       variables: the trainable variables.
       options: `LocalSGD`.
+      state_variables: non-trainable model state each replica updates
+        alone (`replica_statistics.unsynchronized`: BatchNorm moving
+        statistics), averaged over every replica at each synchronisation.
       communication_options: for the all-reduces.
     """
 
     def __init__(self, strategy, variables, options: LocalSGD, *,
-                 communication_options=None):
+                 state_variables=(), communication_options=None):
         self._strategy = strategy
         self._variables = list(variables)
+        # Each replica updates its moving statistics from its own batches
+        # (Keras keeps one value per replica); averaged over the replicas
+        # they are the statistics of the global batches, and equal on every
+        # worker after a synchronisation, like the weights.
+        self._state = list(state_variables)
         self._options = options
         self._comm = communication_options
         self._workers = communication.num_workers(strategy)
@@ -177,13 +185,19 @@ class LocalSGDReducer:
     def _replica_sync(self):
         values = [tf.convert_to_tensor(v) - a for v, a in
                   zip(self._variables, self._anchors)]
-        summed = self._reduce_all(values)
+        # One packed all-reduce: the deltas and the non-trainable state.
+        summed = self._reduce_all(
+            values + [tf.convert_to_tensor(v) for v in self._state])
+        replicas = self._strategy.num_replicas_in_sync
+        for v, s in zip(self._state, summed[len(values):]):
+            v.assign(s / replicas)
+        summed = summed[:len(values)]
         outer = self._options.outer_optimizer
         for i, (v, a, s) in enumerate(zip(self._variables, self._anchors,
                                           summed)):
             # Every replica of a worker holds the same delta: the sum over
             # all replicas / replicas is the mean over workers.
-            delta = s / self._strategy.num_replicas_in_sync
+            delta = s / replicas
             if outer is None:
                 new = tf.convert_to_tensor(a) + delta
             else:
@@ -241,7 +255,8 @@ class LocalSGDReducer:
             self.traffic.add(local_calls,
                              local_calls * self._traced_local_bytes,
                              inter_worker=False)
-        sync_bytes = communication.payload_bytes(self._variables)
+        sync_bytes = communication.payload_bytes(self._variables +
+                                                 self._state)
 
         def sync():
             self._run(self._replica_sync)
@@ -261,17 +276,7 @@ class LocalSGDReducer:
         state.updates = self._updates
         return {"local_sgd": state}
 
-    def at_sync_point(self, step: int) -> bool:
-        """Whether all workers hold the same weights after `step` updates
-        (where checkpoints are saved)."""
-        w, h = self._options.warmup_steps, self._options.every
-        return self._workers == 1 or step <= w or (step - w) % h == 0
-
-    def steps_to_boundary(self, step: int) -> int | None:
-        """Updates from `step` to the next synchronisation (or end of
-        warm-up): workers hold equal weights only there, so checkpoints are
-        saved only there."""
-        w, h = self._options.warmup_steps, self._options.every
-        if self._workers == 1 or step < w:
-            return None if self._workers == 1 else w - step
-        return h - (step - w) % h
+    def state_variables(self) -> list:
+        """What differs between workers or replicas besides the model and
+        optimizer (see `worker_state`): anchors, outer momentum, updates."""
+        return [*self._anchors, *self._momentum, self._updates]

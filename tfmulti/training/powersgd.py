@@ -178,21 +178,16 @@ class PowerSGDReducer:
 
     def trackables(self) -> dict:
         """Checkpoint state: the Q matrices and the error-feedback buffers
-        (replica 0's on the chief)."""
+        (replica 0's on the chief; every replica's in `worker_state`)."""
         state = tf.Module(name="powersgd")
         state.q = self._q
         state.errors = self._errors
         return {"powersgd": state}
 
-    def at_sync_point(self, step: int) -> bool:
-        """Checkpoints may be saved after any update."""
-        del step
-        return True
-
-    def steps_to_boundary(self, step: int) -> int | None:
-        """Checkpoints may be saved after any update."""
-        del step
-        return None
+    def state_variables(self) -> list:
+        """Every replica's own error-feedback buffer and the Q matrices (see
+        `worker_state`)."""
+        return [*self._q, *self._errors]
 
     def compressed_shapes(self, variables) -> list:
         """(m, n, rank) of every compressed gradient, for byte accounting."""

@@ -28,8 +28,10 @@ from tfmulti.training import controller as controller_lib
 from tfmulti.training import data_checks
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import communication, numerics, preemption, reduction
+from tfmulti.training import numerics, preemption, reduction
+from tfmulti.training import replica_statistics
 from tfmulti.training import step as step_lib
+from tfmulti.training import worker_state as worker_state_lib
 from tfmulti.training import summaries
 from tfmulti.training import xla as xla_lib
 
@@ -238,6 +240,7 @@ class Trainer:
         self._reducer = reduction.make_reducer(
             self.strategy, model.trainable_variables, sync=sync,
             compression=compression,
+            state_variables=replica_statistics.unsynchronized(model),
             communication_options=strategies.communication_options(
                 self.strategy),
             allreduce_dtype=allreduce_dtype)
@@ -389,9 +392,11 @@ class Trainer:
         if compat.is_trackable(iterator):
             trackables["iterator"] = iterator
         # Optional: a checkpoint Keras `fit` wrote has no iterator.
-        return (checkpoints_lib.Checkpointer(self.model_dir, self.strategy,
-                                             optional=("iterator",),
-                                             **trackables),
+        return (checkpoints_lib.Checkpointer(
+            self.model_dir, self.strategy, optional=("iterator",),
+            worker_state=worker_state_lib.for_training(
+                self.strategy, self._reducer, self.model, self.optimizer)
+            if self._pipeline is None else None, **trackables),
                 "iterator" in trackables)
 
     def _position(self, step, batch, *, loss_finite=True):
@@ -627,8 +632,7 @@ class Trainer:
                         eval_schedule)
             loop_actions.append(actions_lib.SaveCheckpoint(
                 checkpointer, position,
-                schedule=communication.at_sync_points(save_schedule,
-                                                      self._reducer)))
+                schedule=save_schedule))
             loop_actions.append(actions_lib.ExitOnPreemption(
                 preemption_watcher, checkpointer, position, say=self._print))
         return loop_actions
