@@ -62,8 +62,9 @@ MODES = {
         # XLA on the CNN only (its goal): each compile costs seconds.
         "mlp": {"steps": 64, "repeats": 1, "xla": False},
         "cnn": {"steps": 64, "repeats": 1, "batch": 8},
+        # Uncached: no untimed caching pass over 1250 batches of 16.
         "input_pipeline": {"replicas": 1, "steps": 2, "rounds": 1,
-                           "global_batch_size": 16},
+                           "global_batch_size": 16, "cache": False},
         "communication": {"params": 100_000, "steps": 1, "repeats": 1},
         "memory": {"batch": 16, "grad_accum_steps": 2, "steps": 1},
         # Every process at once, every step-overhead layout in one process:
