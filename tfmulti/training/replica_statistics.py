@@ -71,19 +71,19 @@ def _average_in_replica(variables, *, communication_options=None):
 
 def averaged_after(train_step):
     """Keras's plain `fit` step (a model's bound `train_step`, run in
-    replica context), followed by the average of the model's unsynchronized
-    variables: every step, as the step is all tfmulti sees of plain `fit`.
-    Automatic control dependencies read each variable after the step's own
+    replica context on two or more replicas: `compat.check_keras_step`
+    wraps it only then), followed by the average of the model's
+    unsynchronized variables: every step, as the step is all tfmulti sees
+    of plain `fit`. Automatic control dependencies read each variable after the step's own
     update of it."""
     model = train_step.__self__
 
     @functools.wraps(train_step)
     def step(*args, **kwargs):
         logs = train_step(*args, **kwargs)
-        if tf.distribute.get_replica_context().num_replicas_in_sync > 1:
-            variables = unsynchronized(model)
-            if variables:
-                _average_in_replica(variables)
+        variables = unsynchronized(model)
+        if variables:
+            _average_in_replica(variables)
         return logs
 
     return step
