@@ -5,8 +5,8 @@ Run as every role of a loopback cluster (chief + 2 workers + 1 ps; see
 closures through a real `ClusterCoordinator`; each claims its update on the
 ps, then computes on its worker for WINDOW seconds before its write lands on
 the ps: the window in which a worker's death cuts an update off. Each
-closure's worker writes SIGNAL_DIR/claimed-<id> as it enters the window;
-the test SIGKILLs worker 1 once two have. Writes {"claimed", "completed",
+closure's worker writes SIGNAL_DIR/claimed-<id>-worker<index> as it enters
+the window; the test SIGKILLs that worker at the first. Writes {"claimed", "completed",
 "attempts", "total", "retried", "steps", "applied"} to OUT_JSON ("total":
 the writes that landed).
 
@@ -41,12 +41,13 @@ with strategy.scope():
 ledger = async_trainer.ClosureLedger(strategy, CLOSURES, steps=steps)
 
 
-def apply(update, closure_id):
+def apply(update, closure_id, worker):
     # Back on the worker that runs the closure (out of the ledger's ps
     # device scope): busy until WINDOW seconds after the claim.
     with tf.device(None):
         signal = tf.io.write_file(tf.strings.join(
-            [SIGNAL_DIR, "/claimed-", tf.strings.as_string(closure_id)]), "")
+            [SIGNAL_DIR, "/claimed-", tf.strings.as_string(closure_id),
+             "-worker", tf.strings.as_string(worker)]), "")
         with tf.control_dependencies([signal]):
             start = tf.timestamp()
         _, busy = tf.while_loop(
@@ -60,8 +61,11 @@ def apply(update, closure_id):
 @tf.function
 def closure(closure_id):
     ledger.count_attempt(closure_id)
+    # Here, not inside the ledger's conditional: TensorFlow feeds it to
+    # the closure's own graph only.
+    worker = tf.distribute.coordinator.experimental_get_current_worker_index()
     return ledger.guarded(
-        closure_id, lambda update: apply(update, closure_id),
+        closure_id, lambda update: apply(update, closure_id, worker),
         tf.constant(1, tf.int64), written=[total])
 
 

@@ -188,29 +188,33 @@ class ClosureLedger:
             arrived = [tf.identity(t) for t in
                        tf.nest.flatten(inputs, expand_composites=True)]
 
-            def claim():
+            def claim_and_apply():
                 with tf.control_dependencies(arrived):
                     fresh = tf.equal(self.claimed[closure_id], 0)
                 take = tf.cast(fresh, tf.int32)
                 marks = [self.claimed.scatter_nd_add([[closure_id]], [take]),
                          self.steps.assign_add(tf.cast(take, tf.int64),
                                                read_value=False)]
-                # The section's lock is held until its outputs exist: they
-                # wait for the marks.
                 with tf.control_dependencies(marks):
-                    return tf.identity(fresh)
+                    fresh = tf.identity(fresh)
 
-            # Not exclusive: `steps` is shared by the ledgers of later fits.
-            fresh = self._lock.execute(claim, exclusive_resource_access=False)
+                def apply():
+                    apply_fn(inputs)
+                    with tf.control_dependencies(
+                            [tf.identity(v) for v in written]):
+                        done = self.completed.scatter_nd_add(
+                            [[closure_id]], [1])
+                    with tf.control_dependencies([done]):
+                        return tf.constant(True)
 
-            def apply():
-                apply_fn(inputs)
-                with tf.control_dependencies(
-                        [tf.identity(v) for v in written]):
-                    self.completed.scatter_nd_add([[closure_id]], [1])
-                return tf.constant(True)
+                return tf.cond(fresh, apply, lambda: tf.constant(False))
 
-            return tf.cond(fresh, apply, lambda: tf.constant(False))
+            # The section's lock is held until its output exists, which
+            # waits for the completed mark. Not exclusive: the model's
+            # variables are also read outside it (the forward pass), and
+            # `steps` is shared by the ledgers of later fits.
+            return self._lock.execute(claim_and_apply,
+                                      exclusive_resource_access=False)
 
     def counts(self) -> dict:
         """{"attempts", "claimed", "completed"}: arrays read from the ps."""
