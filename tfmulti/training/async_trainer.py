@@ -633,17 +633,13 @@ class AsyncTraining:
                 step=start + n, steps=steps, at_end=False, losses=losses,
                 logs=logs_and_speed)
 
-        loop_actions = trainer._loop_actions(
-            callback_list, history, eval_data=eval_data,
-            eval_every=eval_every, actions=actions, checkpointer=checkpointer,
-            checkpoint_every=checkpoint_every, batch=global_batch_size,
-            verbose=verbose, preemption_watcher=_ChiefPreemption(
+        trainer._run_controller(
+            train_loop, callback_list, history, steps=steps,
+            eval_data=eval_data, eval_every=eval_every, actions=actions,
+            checkpointer=checkpointer, checkpoint_every=checkpoint_every,
+            batch=global_batch_size, verbose=verbose,
+            preemption_watcher=_ChiefPreemption(
                 getattr(trainer, "_preemption", None)))
-        callback_list.on_train_begin()
-        controller_lib.Controller(
-            train_loop, steps_per_loop=trainer._steps_per_loop,
-            actions=loop_actions).run(
-                trainer.step, steps, stop=lambda: trainer.model.stop_training)
         callback_list.on_train_end(history)
         return history
 
