@@ -41,8 +41,9 @@ MODES = {
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
         "soak": {"seconds": 300, "interval": 10},
         "pipeline_bubble": {"stages": (2, 4)},
-        # Full bench only: six trainings of 2 epochs on 2 workers x 2
-        # replicas (about 20 minutes on 2 busy cores).
+        # Full bench only: eight trainings of 2 epochs on 2 workers x 2
+        # replicas per seed (about 10 minutes per seed on 2 busy cores;
+        # --seeds adds seeds).
         "communication_reduction": {"steps": 624, "global_batch_size": 64},
     },
     "quick": {
@@ -231,7 +232,7 @@ def _communication_reduction(mode, timeout):
     return _run_part(
         "communication_reduction",
         dict(mode["communication_reduction"], data_dir=data_dir),
-        # Minutes long by design: six trainings per seed.
+        # Minutes long by design: eight trainings per seed.
         timeout=max(timeout, 3600 * len(
             mode["communication_reduction"].get("seeds", (0,)))),
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
