@@ -259,10 +259,15 @@ class LocalSGDReducer(communication.Reducer):
             self.traffic.add(1, sync_bytes, inter_worker=True)
             return tf.constant(0, tf.int32)
 
-        due = tf.logical_and(
+        tf.cond(self._sync_due(updates), sync,
+                lambda: tf.constant(0, tf.int32))
+
+    def _sync_due(self, updates):
+        """Whether the workers synchronise after update number `updates`."""
+        options = self._options
+        return tf.logical_and(
             updates > options.warmup_steps,
             (updates - options.warmup_steps) % options.every == 0)
-        tf.cond(due, sync, lambda: tf.constant(0, tf.int32))
 
     def evaluation_weights(self):
         """Context in which evaluation reads the weights: between
@@ -300,11 +305,10 @@ class LocalSGDReducer(communication.Reducer):
                 self._swap_out()
 
     def _swap_in_fn(self):
-        options = self._options
         updates = self._updates.read_value()
-        apart = tf.logical_and(
-            updates > options.warmup_steps,
-            (updates - options.warmup_steps) % options.every != 0)
+        # Past the warm-up and not just synchronised.
+        apart = tf.logical_and(updates > self._options.warmup_steps,
+                               tf.logical_not(self._sync_due(updates)))
         nbytes = communication.payload_bytes(self._variables)
 
         def swap():
