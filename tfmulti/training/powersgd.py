@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.training import communication
+from tfmulti.training import gradients as gradients_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,22 +168,13 @@ class PowerSGDReducer(communication.Reducer):
         return tf.cond(self._updates < self._options.start_iter, dense,
                        update)
 
-    def _reduce_dense(self, grads):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        values = [tf.convert_to_tensor(grads[i]) for i in present]
-        self._traced_dense_bytes = communication.payload_bytes(values)
-        summed = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, values, options=self._comm)
-        out = list(grads)
-        for i, g in zip(present, summed):
-            out[i] = g
-        return out
-
     def reduce(self, grads):
         """Sums `grads` over every replica, large matrices compressed
         (replica context)."""
         if self._tracing_dense:
-            return self._reduce_dense(grads)
+            # The warm-up: tfmulti's ordinary all-reduce of every gradient.
+            self._traced_dense_bytes = communication.payload_bytes(grads)
+            return gradients_lib.all_reduce_sum(grads, options=self._comm)
         context = tf.distribute.get_replica_context()
         compressed = set(self._compressed)
         dense_ids = [i for i, g in enumerate(grads)
