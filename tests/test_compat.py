@@ -91,7 +91,8 @@ def test_distributed_iterator_deletion_still_blocks():
     # Stock distributed iterators of an autotuned dataset, aged 4 s: one of
     # 30 deletions at least blocks on its autotune thread; through tfmulti
     # (no autotune in distributed input) none does.
-    _, out = run_python(["tests/workers/iterator_deletion.py", "30", "4"],
+    _, out = run_python(["tests/workers/iterator_deletion.py", "30", "4",
+                         "--no-plain"],
                         timeout=300)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["workaround"], result

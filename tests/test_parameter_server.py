@@ -2,8 +2,9 @@
 
 The slow tests start a chief, 2 workers and 1 parameter server as separate
 processes (`tests/workers/ps_job.py`; the worker and ps tasks run a
-`tf.distribute.Server`), SIGKILL one of them mid-run and check what the
-issue (16) promises.
+`tf.distribute.Server`): one job SIGKILLs the ps, then both workers, then
+one worker, and checks what issue 16 promises; another compares the test
+accuracy of a fault-free asynchronous run with one device's synchronous run.
 """
 
 import json
@@ -23,9 +24,20 @@ from tfmulti import cluster as cl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "workers", "ps_job.py")
+WINDOW_JOB = os.path.join(HERE, "workers", "ps_ledger_window.py")
 # Minutes on a loaded 2-core machine: four TensorFlow processes start.
 TIMEOUT = 420
-STEPS = 500
+# The accuracy comparison: long enough for both runs to converge.
+ACCURACY_STEPS = 1000
+ACCURACY_TIMEOUT = 900
+# Issue 16's bound. Measured with the warm-up (sync 95.93%), 8 async runs:
+# async - sync -0.43, -0.33, -0.35, +0.08, 0.00, +0.30, +0.15, -0.10
+# points (BUILD_NOTES, issue 16).
+ACCURACY_TOLERANCE = 0.02
+# The fault story: short (its accuracy is not the point), loops of 25.
+STORY_STEPS, STORY_LOOP = 125, 25
+# The test's bound on a job with every worker gone (600 s by default).
+STALL = 8
 
 
 def _cluster(**roles):
@@ -100,9 +112,12 @@ class PsCluster:
         self.procs = {}
         self._lines = queue.Queue()
         self.output = []
+        self.addresses = {}
         for config in cl.local_cluster(workers, num_ps=ps):
             task = config["task"]
             role = f"{task['type']}{task['index']}"
+            self.addresses[role] = config["cluster"][task["type"]][
+                task["index"]]
             chief = task["type"] == "chief"
             self.procs[role] = subprocess.Popen(
                 [sys.executable, script, *args],
@@ -154,84 +169,168 @@ class PsCluster:
         self.close()
 
 
+def _error_line(job, name):
+    return next((line for line in job.output if line.startswith(
+        f"tfmulti.training.async_trainer.{name}")),
+        "".join(job.output[-40:]))
+
+
 @pytest.mark.slow
-def test_async_training_survives_worker_and_ps_kills_and_matches_sync(
+def test_async_job_survives_ps_all_workers_and_worker_kills(
         tmp_path, shapes_data_dir):
-    """One job, as a user would live it, against the synchronous golden run.
+    """One job, as a user would live it, in three launches of every role.
 
-    Attempt 1: the Trainer refuses a sharded Keras variable; after step 100
+    Attempt 1: the Trainer refuses a sharded Keras variable; after step 50
     the parameter server is SIGKILLed (a clear ParameterServerError).
-    Attempt 2, every role restarted: resumes from the chief's checkpoint;
-    worker 1 SIGKILLed mid-loop (the job finishes, the retry is counted, no
-    closure applied twice); after the 500 steps of 64 its test accuracy is
-    compared with one device's synchronous run (issue 16 asks within 2 points: open, see the assertion) over the same number
-    of examples (run alongside)."""
+    Attempt 2: resumes from the chief's checkpoint; BOTH workers are
+    SIGKILLed: a WorkersLostError naming them and the checkpoint, after the
+    stall bound (TensorFlow alone would wait an hour). Attempt 3: resumes;
+    worker 1 SIGKILLed mid-loop: the job finishes, the retry is counted,
+    no closure applied twice."""
     model_dir, out = tmp_path / "model", tmp_path / "async.json"
-    sync_out = tmp_path / "sync.json"
-    env = dict(os.environ, PS_JOB_STEPS=str(STEPS), PS_JOB_BATCH="64",
-               PS_JOB_LOOP="50")
+    env = dict(os.environ, PS_JOB_STEPS=str(STORY_STEPS), PS_JOB_BATCH="32",
+               PS_JOB_LOOP=str(STORY_LOOP), PS_JOB_STALL=str(STALL))
     args = ["async", str(out), shapes_data_dir, str(model_dir)]
-    golden = subprocess.Popen(
-        [sys.executable, JOB, "sync", str(sync_out), shapes_data_dir],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env=env)
-    try:
-        with PsCluster(args, env=dict(env, PS_JOB_CHECK_SHARDED="1")) as job:
-            # The checkpoint of step 50 is written before the loop to 100.
-            job.wait_for(r"^step 100/")
-            job.kill("ps0")
-            code = job.wait_chief()
-        assert code != 0
-        message = next((line for line in job.output if line.startswith(
-            "tfmulti.training.async_trainer.ParameterServerError")),
-            "".join(job.output[-40:]))
-        print(message)
-        assert re.search(r"A parameter server of \['127\.0\.0\.1:\d+'\] "
-                         r"died", message)
-        assert "resumes from its latest checkpoint" in message
-        assert "is sharded over the parameter servers" in "".join(
-            job.output), "".join(job.output[-40:])
+    with PsCluster(args, env=dict(env, PS_JOB_CHECK_SHARDED="1")) as job:
+        # The checkpoint of step 25 is written before the loop to 50.
+        job.wait_for(rf"^step {2 * STORY_LOOP}/")
+        job.kill("ps0")
+        code = job.wait_chief()
+    assert code != 0
+    message = _error_line(job, "ParameterServerError")
+    print(message)
+    assert re.search(r"A parameter server of \['127\.0\.0\.1:\d+'\] "
+                     r"died", message)
+    assert "resumes from its latest checkpoint" in message
+    assert "is sharded over the parameter servers" in "".join(
+        job.output), "".join(job.output[-40:])
 
-        with PsCluster(args, env=env) as job:
-            restored = job.wait_for(r"^restored ")
-            job.wait_for(r"^step \d+/")
-            # The chief schedules the next loop right after printing: both
-            # workers are inside closures when worker 1 dies.
-            time.sleep(0.5)
-            job.kill("worker1")
-            assert job.wait_chief() == 0, "".join(job.output[-40:])
-        print("".join(line for line in job.output if line.startswith("step")))
-        resumed_at = int(re.search(r"at step (\d+)", restored).group(1))
-        assert resumed_at in (50, 100)
-        out_text, _ = golden.communicate(timeout=TIMEOUT)
-        assert golden.returncode == 0, out_text[-3000:]
-    finally:
-        subproc._kill(golden)
-    sync, run = (json.loads(p.read_text()) for p in (sync_out, out))
-    assert run["step"] == sync["step"] == STEPS
-    # The restarted job scheduled only the remaining closures, and applied
-    # each once, though the kill hit one in flight and it was retried.
-    assert set(run["applied"][resumed_at:]) == {1}
-    assert sum(run["applied"]) == STEPS - resumed_at
-    # The steps counted inside the updates: each loop of 50 closures made
-    # exactly 50 (a closure applied twice shows as 151 after 100).
-    assert run["history"]["step"] == list(range(resumed_at + 50, STEPS + 1,
-                                                 50))
+    with PsCluster(args, env=env) as job:
+        job.wait_for(r"^restored ")
+        job.wait_for(r"^step \d+/")
+        workers = [job.addresses["worker0"], job.addresses["worker1"]]
+        job.kill("worker0")
+        job.kill("worker1")
+        killed = time.monotonic()
+        code = job.wait_chief()
+        waited = time.monotonic() - killed
+    assert code != 0
+    message = _error_line(job, "WorkersLostError")
+    print(message, f"(chief exited {waited:.1f} s after the kill)")
+    assert f"Every worker of this job ({workers!r})" in message
+    assert re.search(r"latest checkpoint '.*ckpt-\d+'", message), message
+    # The bound, not TensorFlow's hour: STALL s with no worker, plus the
+    # time the coordinator takes to see both gone, plus the exit.
+    assert STALL <= waited < STALL + 90, waited
+
+    with PsCluster(args, env=env) as job:
+        restored = job.wait_for(r"^restored ")
+        job.wait_for(r"^step \d+/")
+        # The chief schedules the next loop right after printing: both
+        # workers are inside closures when worker 1 dies.
+        time.sleep(0.5)
+        job.kill("worker1")
+        assert job.wait_chief() == 0, "".join(job.output[-40:])
+    print("".join(line for line in job.output if line.startswith("step")))
+    resumed_at = int(re.search(r"at step (\d+)", restored).group(1))
+    run = json.loads(out.read_text())
+    assert run["step"] == STORY_STEPS
+    # The restarted job scheduled only the remaining closures, and one
+    # attempt of each claimed its update, though the kill hit one in flight
+    # and it was retried.
+    assert set(run["claimed"][resumed_at:]) == {1}
+    assert sum(run["claimed"]) == STORY_STEPS - resumed_at
+    # The steps counted inside the claims: each loop of closures made
+    # exactly that many (a closure claimed twice shows as 51 after 25).
+    assert run["history"]["step"] == list(range(
+        resumed_at + STORY_LOOP, STORY_STEPS + 1, STORY_LOOP))
     retried = run["history"]["retried_closures"][-1]
     assert retried >= 1, "the kill hit no closure in flight"
     # Closures re-run on the ps: a subset of the coordinator's retries (a
     # first attempt that never started reached no ps).
     assert sum(a > 1 for a in run["attempts"]) <= retried
-    print(f"sync accuracy {sync['accuracy']:.4f}, async {run['accuracy']:.4f}"
-          f" (resumed at step {resumed_at}), retried closures {retried}")
-    # Issue 16 asks for async within 2 points of sync; that is NOT met yet
-    # and stays open there. Measured (BUILD_NOTES): sync 90.3%, async
-    # 86.4-89.5% in 4 runs, and once 38.3% after resuming at step 50 (not
-    # explained). Asserted here: async training learned far beyond chance
-    # (10 classes), which a broken async mode (10% seen while debugging)
-    # fails; the gap is printed above.
-    assert run["accuracy"] >= 0.3, (sync, run)
-    assert sync["accuracy"] > 0.5  # it learned: the comparison means something
+    # An update cut off by the kill is lost, never applied twice: only a
+    # retried closure can lose one, and the history counts them.
+    lost = sum(run["claimed"]) - sum(run["completed"])
+    assert run["history"]["lost_updates"][-1] == lost
+    assert 0 <= lost <= retried
+    print(f"resumed at step {resumed_at}, retried closures {retried}")
+
+
+@pytest.mark.slow
+def test_update_cut_off_by_a_dead_worker_is_lost_never_applied_twice(
+        tmp_path):
+    """The ledger's window forced open: a worker has claimed an update and
+    is still computing it when it is SIGKILLed. The coordinator retries its
+    closure on the other worker, which finds it claimed and applies
+    nothing: every closure claimed once, the cut-off update lost and
+    counted, and `completed` only counts writes that landed."""
+    out, signals = tmp_path / "window.json", tmp_path / "signals"
+    signals.mkdir()
+    with PsCluster([str(out), str(signals)], script=WINDOW_JOB) as job:
+        deadline = time.monotonic() + TIMEOUT
+        while not os.listdir(signals):
+            assert time.monotonic() < deadline, "".join(job.output[-40:])
+            assert job.procs["chief0"].poll() is None, "".join(
+                job.output[-40:])
+            time.sleep(0.1)
+        (signal,) = os.listdir(signals)
+        job.kill("worker" + signal[-1])
+        assert job.wait_chief() == 0, "".join(job.output[-40:])
+    run = json.loads(out.read_text())
+    print(run)
+    assert run["claimed"] == [1, 1, 1]
+    assert run["steps"] == 3
+    assert run["retried"] >= 1
+    # The killed closure ran again on worker 0 and found its claim.
+    assert sorted(run["attempts"]) == [1, 1, 2], run["attempts"]
+    retried_id = run["attempts"].index(2)
+    assert run["completed"][retried_id] == 0
+    assert run["applied"][retried_id] is False
+    # That update lost, the other two landed once each, and `completed`
+    # counts only writes that landed.
+    assert run["total"] == sum(run["completed"]) == 2
+
+
+@pytest.mark.slow
+def test_async_accuracy_is_within_2_points_of_sync(tmp_path,
+                                                   shapes_data_dir):
+    """Issue 16: the local PS cluster (2 workers, truly asynchronous, no
+    fault) trains the small CNN to within 2 points of one device's
+    synchronous test accuracy over the same examples.
+
+    1000 steps of 64 (3.2 epochs), Adam 1e-3 warmed up linearly over the
+    first 150 steps and stepped down over the last 30%, in both runs. Both
+    converge; the warm-up is what makes the asynchronous run reliable:
+    without it the model sits at chance for 100-400 steps, longer with
+    stale gradients, and async ended 92.2-97.1% against sync 96.7% (within
+    2 points in 5 of 8 runs; at 500 steps 78-90%, once 38%). With it:
+    BUILD_NOTES, issue 16."""
+    out, sync_out = tmp_path / "async.json", tmp_path / "sync.json"
+    env = dict(os.environ, PS_JOB_STEPS=str(ACCURACY_STEPS),
+               PS_JOB_BATCH="64", PS_JOB_LOOP="100", PS_JOB_WARMUP="150")
+    golden = subprocess.Popen(
+        [sys.executable, JOB, "sync", str(sync_out), shapes_data_dir],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=env)
+    try:
+        with PsCluster(["async", str(out), shapes_data_dir], env=env) as job:
+            assert job.wait_chief(ACCURACY_TIMEOUT) == 0, "".join(
+                job.output[-40:])
+        out_text, _ = golden.communicate(timeout=ACCURACY_TIMEOUT)
+        assert golden.returncode == 0, out_text[-3000:]
+    finally:
+        subproc._kill(golden)
+    sync, run = (json.loads(p.read_text()) for p in (sync_out, out))
+    assert run["step"] == sync["step"] == ACCURACY_STEPS
+    # Fault-free: every closure ran and was applied once.
+    assert set(run["claimed"]) == set(run["completed"]) == {1}
+    gap = run["accuracy"] - sync["accuracy"]
+    print(f"sync accuracy {sync['accuracy']:.4f}, async "
+          f"{run['accuracy']:.4f} (async - sync {100 * gap:+.2f} points)")
+    assert sync["accuracy"] > 0.93  # converged: the comparison means something
+    assert abs(gap) <= ACCURACY_TOLERANCE, (sync["accuracy"],
+                                           run["accuracy"])
 
 
 # -- the launcher (a TensorFlow-free stand-in task) ---------------------------

@@ -50,7 +50,9 @@ def serve(cluster: cluster_lib.ClusterConfig) -> None:
 
 
 def create(cluster: cluster_lib.ClusterConfig, *,
-           variable_partitioner=None) -> tf.distribute.Strategy:
+           variable_partitioner=None,
+           stall_timeout_seconds: float | None = None
+           ) -> tf.distribute.Strategy:
     """The chief's ParameterServerStrategy; serves forever on other roles.
 
     Args:
@@ -59,6 +61,11 @@ def create(cluster: cluster_lib.ClusterConfig, *,
         partitioner, or None. It shards plain `tf.Variable`s; Keras 3 layers
         get a sharded variable that Keras 3 cannot train (the Trainer
         refuses it; BUILD_NOTES, issue 16).
+      stall_timeout_seconds: how long `Trainer.fit` waits with EVERY worker
+        unreachable before it raises `WorkersLostError` (TensorFlow alone
+        waits up to an hour for one to return); None or `math.inf`: as
+        TensorFlow. `create_strategy` passes its default (600 s). One
+        failed worker is never an error: its closures run on the others.
 
     Returns:
       A `tf.distribute.ParameterServerStrategy` with a `ClusterCoordinator`
@@ -79,6 +86,7 @@ def create(cluster: cluster_lib.ClusterConfig, *,
         resolver, variable_partitioner=variable_partitioner)
     strategy.tfmulti_coordinator = (
         tf.distribute.coordinator.ClusterCoordinator(strategy))
+    strategy.tfmulti_stall_timeout_seconds = stall_timeout_seconds
     _log.info("tfmulti: ParameterServerStrategy with %d worker(s) and %d "
               "parameter server(s)", len(cluster.cluster["worker"]),
               len(cluster.cluster["ps"]))
@@ -95,6 +103,12 @@ def coordinator(strategy) -> tf.distribute.coordinator.ClusterCoordinator:
         found = tf.distribute.coordinator.ClusterCoordinator(strategy)
         strategy.tfmulti_coordinator = found
     return found
+
+
+def stall_timeout(strategy) -> float | None:
+    """The `stall_timeout_seconds` given to `create` (None, TensorFlow's
+    own wait, for a strategy made elsewhere)."""
+    return getattr(strategy, "tfmulti_stall_timeout_seconds", None)
 
 
 def is_parameter_server(strategy) -> bool:

@@ -97,6 +97,8 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         makes no progress for this long (no loop of steps completes: a peer
         is stuck), its collectives are aborted and it raises
         `tfmulti.PeerFailureError`. One watchdog thread per process.
+        parameter_server: when every worker stays unreachable this long,
+        `Trainer.fit` raises `WorkersLostError`.
         Default 600; None or `math.inf` for none.
       cluster: the cluster; default `tfmulti.cluster_config()` (TF_CONFIG,
         SLURM or Kubernetes from the environment).
@@ -140,7 +142,8 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
     if name == "auto" and cluster.num_ps:
         name = "parameter_server"
     if name == "parameter_server":
-        return parameter_server.create(cluster)
+        return parameter_server.create(
+            cluster, stall_timeout_seconds=stall_timeout_seconds)
     if cluster.num_ps:
         raise ValueError(
             f"`cluster` has parameter servers ({list(cluster.cluster['ps'])}) "

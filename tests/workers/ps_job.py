@@ -8,7 +8,12 @@ the Trainer's asynchronous mode and checkpoints into MODEL_DIR; with
 PS_JOB_CHECK_SHARDED=1 it first tries a Trainer on a partitioned Keras
 Embedding (a second strategy: every worker must be alive).
 Both train STEPS steps of BATCH examples (the same examples seen) and write
-{"accuracy", "step", "history", "attempts", "applied"} to OUT_JSON.
+{"accuracy", "step", "history", "iterations", "attempts", "claimed",
+"completed"} to OUT_JSON.
+Environment: PS_JOB_STEPS, PS_JOB_BATCH, PS_JOB_LOOP (steps per loop),
+PS_JOB_LR, PS_JOB_WARMUP (steps of linear warm-up), PS_JOB_STALL (the
+strategy's `stall_timeout_seconds`) and PS_JOB_EVAL_EVERY (test accuracy
+every N steps, in the history).
 """
 
 import json
@@ -27,7 +32,8 @@ BATCH = int(os.environ.get("PS_JOB_BATCH", "32"))
 LR = float(os.environ.get("PS_JOB_LR", "1e-3"))
 
 strategy = tfmulti.create_strategy(
-    "parameter_server" if MODE == "async" else "one_device")
+    "parameter_server" if MODE == "async" else "one_device",
+    stall_timeout_seconds=float(os.environ.get("PS_JOB_STALL", "600")))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -72,9 +78,23 @@ with strategy.scope():
     # is a property of the training, not of where the last noisy steps left
     # it (at a constant rate two sync seeds ended 4.8 points apart and a run
     # swung up to 19 points between loops; BUILD_NOTES, issue 16).
-    optimizer = keras.optimizers.Adam(
-        keras.optimizers.schedules.PiecewiseConstantDecay(
-            [int(0.7 * STEPS), int(0.85 * STEPS)], [LR, LR * 0.3, LR * 0.1]))
+    stepped = keras.optimizers.schedules.PiecewiseConstantDecay(
+        [int(0.7 * STEPS), int(0.85 * STEPS)], [LR, LR * 0.3, LR * 0.1])
+    # A linear warm-up over the first PS_JOB_WARMUP steps: without it the
+    # model sits at chance for a variable 100-400 steps, longer with stale
+    # gradients, and the asynchronous run's accuracy is a lottery
+    # (BUILD_NOTES, issue 16).
+    WARMUP = int(os.environ.get("PS_JOB_WARMUP", "0"))
+    if WARMUP:
+        class Warmup(keras.optimizers.schedules.LearningRateSchedule):
+            def __call__(self, step):
+                step = keras.ops.cast(step, "float32")
+                return keras.ops.minimum(1.0, (step + 1) / WARMUP) * stepped(
+                    step)
+        schedule = Warmup()
+    else:
+        schedule = stepped
+    optimizer = keras.optimizers.Adam(schedule)
 trainer = tfmulti.Trainer(
     model, optimizer, strategy=strategy, metrics=["sparse_categorical_accuracy"],
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
@@ -84,16 +104,18 @@ trainer = tfmulti.Trainer(
 
 train_data = train_fn if MODE == "async" else tfmulti.distribute_dataset(
     strategy, train_fn, global_batch_size=BATCH)
+EVAL_EVERY = int(os.environ.get("PS_JOB_EVAL_EVERY", "0")) or None
 history = trainer.fit(train_data, steps=STEPS, global_batch_size=BATCH,
-                      checkpoint_every=LOOP if MODEL_DIR else None)
+                      checkpoint_every=LOOP if MODEL_DIR else None,
+                      eval_data=test if EVAL_EVERY else None,
+                      eval_every=EVAL_EVERY)
 result = {"accuracy": trainer.evaluate(test)["sparse_categorical_accuracy"],
           "step": trainer.step, "history": history,
           "iterations": int(optimizer.iterations.numpy()),
           "sharded_error": SHARDED_ERROR}
 if MODE == "async":
     counts = trainer._async.ledger.counts()
-    result.update(attempts=counts["attempts"].tolist(),
-                  applied=counts["applied"].tolist())
+    result.update({key: value.tolist() for key, value in counts.items()})
 with open(OUT, "w") as f:
     json.dump(result, f)
 print("done", json.dumps({k: result[k] for k in ("accuracy", "step")}),

@@ -10,10 +10,10 @@ in-flight closure is put back in the queue and runs on another worker.
 TensorFlow retries a closure at least once, not exactly once: a worker can
 die after its update reached the parameter server but before the coordinator
 heard back, and the retry would apply a second update. Every closure here
-has an id and a `ClosureLedger` on the parameter servers counts, per id, the
-attempts that ran and the updates applied; the update runs in one
-conditional ON the parameter server, after all gradients arrived, and only
-if that id has applied none yet. So a retried closure is never applied twice;
+has an id, and a `ClosureLedger` on the parameter servers lets one attempt
+per id claim the right to update, after all its gradients arrived and before
+any write: a retried closure is never applied twice, and an update cut off
+by its worker's death is lost and counted (`lost_updates` in the history).
 `RetryCounter` counts the coordinator's retries.
 
 Keras 3's `model.fit` does not run under this strategy
@@ -23,7 +23,7 @@ and metrics do.
 
 from __future__ import annotations
 
-import sys
+import math
 import time
 
 import keras
@@ -32,20 +32,24 @@ import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import exit_codes, parameter_server
+from tfmulti import parameter_server
 from tfmulti.data import pipeline as pipeline_lib
 from tfmulti.training import checkpoints as checkpoints_lib
+from tfmulti.training import controller as controller_lib
 from tfmulti.training import gradients as gradients_lib
-from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics
 from tfmulti.training import step as step_lib
-from tfmulti.training import summaries
 
 # The errors through which the coordinator reports a lost parameter server
 # (workers are retried and never surface).
 _PS_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
               tf.errors.CancelledError, tf.errors.InternalError,
               tf.errors.UnknownError, tf.errors.DeadlineExceededError)
+
+
+# How often a join looks at the workers' state: small against a loop of
+# steps (seconds), and a lock or two per look.
+_JOIN_POLL_SECONDS = 0.05
 
 
 class ParameterServerError(RuntimeError):
@@ -63,63 +67,165 @@ class ParameterServerError(RuntimeError):
         self.checkpoint = checkpoint
 
 
+class WorkersLostError(RuntimeError):
+    """Every worker of a parameter-server job stayed unreachable too long.
+
+    TensorFlow's coordinator waits (up to an hour) for a failed worker to
+    come back at the same address; `stall_timeout_seconds` of
+    `create_strategy` bounds that wait when NO worker is left.
+
+    Attributes:
+      workers: the addresses of the workers the coordinator held failed.
+      step: the last step the chief saw completed.
+      checkpoint: the chief's latest checkpoint (where a restart resumes),
+        or None.
+    """
+
+    def __init__(self, message, *, workers, step, checkpoint):
+        super().__init__(message)
+        self.workers = workers
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class WorkerWatch:
+    """Which workers the coordinator holds failed, waiting for them.
+
+    TensorFlow exposes no such state; this reads each of the coordinator's
+    private `Worker._is_dead_with_error` (TF 2.18-2.21,
+    `cluster_coordinator.Worker`: set when a closure fails with a worker
+    error, cleared when the worker is back). Without it `available` is
+    False and `Trainer.fit` joins unbounded, as TensorFlow does.
+    """
+
+    def __init__(self, coordinator):
+        self._workers = list(getattr(getattr(coordinator, "_cluster", None),
+                                     "workers", None) or ())
+        self.available = bool(self._workers) and all(
+            hasattr(w, "_is_dead_with_error") for w in self._workers)
+
+    def failed(self) -> list[int]:
+        """Indices of the workers held failed now."""
+        return [w.worker_index for w in self._workers
+                if w._is_dead_with_error]
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+
 class ClosureLedger:
-    """Per-closure counters on the parameter servers.
+    """Per-closure marks on the parameter servers: at most one update each.
+
+    TensorFlow's coordinator runs a closure at least once, not exactly once:
+    a worker that dies while its update is landing on the parameter servers
+    has its closure run again on another worker. TensorFlow has no
+    transaction over several variables (each write runs as soon as its own
+    inputs arrive), so "update, then mark it done" applied one closure twice
+    (measured: 126 steps after a 125-step job) and an atomic update is not
+    possible. `guarded` therefore marks first, then updates: a retry of a
+    marked closure applies nothing. The price is at-most-once: an update cut
+    off by its worker's death is lost, possibly with some of its writes
+    landed (like a gradient dropped, which asynchronous training tolerates),
+    and `lost` counts them.
 
     `attempts[i]` counts the executions of closure `i` that started (more
-    than one: the coordinator retried it after a worker failed);
-    `applied[i]` counts its updates applied to the variables (at most one,
-    by construction of `guarded`).
+    than one: retried); `claimed[i]` is 1 once an attempt took the right to
+    update (never more, by construction); `completed[i]` is 1 once that
+    update's writes have all landed. `steps` counts the claimed closures on
+    top of the restored step: the Trainer's step.
 
     Args:
       strategy: the ParameterServerStrategy.
       size: the number of closure ids (steps of the job).
+      steps: the job's step counter (int64 variable on the ps), shared by
+        the ledgers of successive `fit` calls.
     """
 
-    def __init__(self, strategy, size: int):
+    def __init__(self, strategy, size: int, *, steps):
         self.size = size
+        self.steps = steps
+
+        def counter(name):
+            return tf.Variable(tf.zeros([size], tf.int32), trainable=False,
+                               name=name)
+
         with strategy.scope():
-            self.attempts = tf.Variable(tf.zeros([size], tf.int32),
-                                        trainable=False,
-                                        name="closure_attempts")
-            self.applied = tf.Variable(tf.zeros([size], tf.int32),
-                                       trainable=False,
-                                       name="closure_applied")
+            self.attempts = counter("closure_attempts")
+            self.claimed = counter("closure_claimed")
+            self.completed = counter("closure_completed")
+        with tf.device(self.claimed.device):
+            # A mutex on the ps: the check and the mark of a claim are one
+            # step (a retry arriving meanwhile waits, then sees the mark).
+            self._lock = tf.CriticalSection(name="closure_ledger")
 
     def count_attempt(self, closure_id):
         self.attempts.scatter_nd_add([[closure_id]], [1])
 
-    def guarded(self, closure_id, apply_fn, inputs):
-        """Runs `apply_fn(inputs)` unless closure `closure_id` applied one.
+    def guarded(self, closure_id, apply_fn, inputs, *, written):
+        """Runs `apply_fn(inputs)` unless closure `closure_id` claimed one.
 
-        Placed on the parameter server that holds the ledger; the
-        predicate waits for every input (the gradients) to arrive there, so
-        no update starts before all have and none depends on the worker
-        staying alive.
+        Placed on the parameter server that holds the ledger. The claim
+        waits for every input (the gradients) to arrive there, so a worker
+        that dies before sending all of them leaves its closure unclaimed
+        for the retry.
+
+        Args:
+          closure_id: int32 scalar, the closure's id (its step).
+          apply_fn: the update, `apply_fn(inputs)`.
+          inputs: a nest of tensors (from the worker).
+          written: the variables `apply_fn` writes; their reads, which
+            tf.function orders after the writes, are what `completed`
+            waits for.
+
+        Returns:
+          bool scalar: whether this attempt applied the update.
         """
-        with tf.device(self.applied.device):
-            # Every input on this device BEFORE the predicate is read.
+        with tf.device(self.claimed.device):
+            # Every input on this device BEFORE the claim is read.
             # TensorFlow lowers tf.cond to Switch/Merge, whose branch ops
-            # each start as soon as their own input arrives: measured, a
-            # worker SIGKILLed mid-send left some updates (and the step
-            # count) applied and the ledger at 0, so the retry applied
-            # them again (one closure counted twice, 151 steps after 150).
+            # each start as soon as their own input arrives.
             arrived = [tf.identity(t) for t in
                        tf.nest.flatten(inputs, expand_composites=True)]
-            with tf.control_dependencies(arrived):
-                fresh = tf.equal(self.applied[closure_id], 0)
 
-            def apply():
-                with tf.control_dependencies([apply_fn(inputs)]):
-                    self.applied.scatter_nd_add([[closure_id]], [1])
-                return tf.constant(True)
+            def claim_and_apply():
+                with tf.control_dependencies(arrived):
+                    fresh = tf.equal(self.claimed[closure_id], 0)
+                take = tf.cast(fresh, tf.int32)
+                marks = [self.claimed.scatter_nd_add([[closure_id]], [take]),
+                         self.steps.assign_add(tf.cast(take, tf.int64),
+                                               read_value=False)]
+                with tf.control_dependencies(marks):
+                    fresh = tf.identity(fresh)
 
-            return tf.cond(fresh, apply, lambda: tf.constant(False))
+                def apply():
+                    apply_fn(inputs)
+                    with tf.control_dependencies(
+                            [tf.identity(v) for v in written]):
+                        done = self.completed.scatter_nd_add(
+                            [[closure_id]], [1])
+                    with tf.control_dependencies([done]):
+                        return tf.constant(True)
+
+                return tf.cond(fresh, apply, lambda: tf.constant(False))
+
+            # The section's lock is held until its output exists, which
+            # waits for the completed mark. Not exclusive: the model's
+            # variables are also read outside it (the forward pass), and
+            # `steps` is shared by the ledgers of later fits.
+            return self._lock.execute(claim_and_apply,
+                                      exclusive_resource_access=False)
 
     def counts(self) -> dict:
-        """{"attempts": array, "applied": array}, read from the ps."""
+        """{"attempts", "claimed", "completed"}: arrays read from the ps."""
         return {"attempts": self.attempts.numpy(),
-                "applied": self.applied.numpy()}
+                "claimed": self.claimed.numpy(),
+                "completed": self.completed.numpy()}
+
+    @staticmethod
+    def lost(counts) -> int:
+        """Updates claimed but never completed (their worker died)."""
+        return int(np.sum(counts["claimed"]) - np.sum(counts["completed"]))
 
 
 def _reject_sharded(model):
@@ -167,6 +273,22 @@ class RetryCounter:
         return self.count if self.available else None
 
 
+class _ChiefPreemption:
+    """A `PreemptionWatcher` as `actions.ExitOnPreemption` wants it, decided
+    by the chief alone: under this strategy only the chief trains (the
+    watcher's cross-worker agreement is an all-reduce, which this strategy
+    has not)."""
+
+    def __init__(self, watcher):
+        self._watcher = watcher
+
+    def agreed(self) -> bool:
+        return self._watcher is not None and self._watcher.signalled
+
+    def __exit__(self, *exc):
+        return self._watcher.__exit__(*exc)
+
+
 class AsyncTraining:
     """The asynchronous mode of a `tfmulti.Trainer` under
     ParameterServerStrategy (the Trainer creates it; use the Trainer).
@@ -188,13 +310,15 @@ class AsyncTraining:
         self.strategy = trainer.strategy
         self.coordinator = parameter_server.coordinator(self.strategy)
         self.retries = RetryCounter(self.coordinator)
+        self._watch = WorkerWatch(self.coordinator)
+        self._stall_timeout = parameter_server.stall_timeout(self.strategy)
         self._cluster = cluster_lib.of_strategy(self.strategy)
         with self.strategy.scope():
-            # Updates applied, counted inside the guarded update on the ps
+            # Closures claimed, counted inside the ledger's claim on the ps
             # (the Trainer's own count is a Python int, set from this).
-            self.steps_applied = tf.Variable(0, dtype=tf.int64,
-                                             trainable=False,
-                                             name="async_steps_applied")
+            self.steps_done = tf.Variable(0, dtype=tf.int64,
+                                          trainable=False,
+                                          name="async_steps_done")
         self.ledger = None
         self._step_fn = None
         self._eval_fn = None
@@ -203,9 +327,8 @@ class AsyncTraining:
 
     # -- data ---------------------------------------------------------------
 
-    def _per_worker_iterator(self, dataset_fn, global_batch_size, seed):
-        if dataset_fn is self._source:
-            return self._iterator
+    @staticmethod
+    def _check_train_data(dataset_fn, global_batch_size):
         if not callable(dataset_fn) or isinstance(dataset_fn,
                                                   tf.data.Dataset):
             raise ValueError(
@@ -217,6 +340,11 @@ class AsyncTraining:
             raise ValueError(
                 "Pass `global_batch_size`: under ParameterServerStrategy it "
                 "is the batch of ONE step, which one worker computes.")
+
+    def _per_worker_iterator(self, dataset_fn, global_batch_size, seed, *,
+                             examples_done=0):
+        if dataset_fn is self._source:
+            return self._iterator
         per_replica = global_batch_size // self.strategy.num_replicas_in_sync
 
         num_workers = len(self._cluster.cluster["worker"])
@@ -240,7 +368,15 @@ class AsyncTraining:
             dataset = dataset.shuffle(pipeline_lib.DEFAULT_SHUFFLE_BUFFER,
                                       seed=seed,
                                       reshuffle_each_iteration=True).repeat()
-            offset = tf.where(size > 0, size * index // num_workers, 0)
+            # A resumed job goes on past the examples its restored steps
+            # read (as the synchronous Trainer's does) instead of reading
+            # the stream's start again; which worker read how many is not
+            # recorded, so the workers share them evenly. Within one epoch
+            # (skipping reads): past the first, any position is as new.
+            offset = tf.where(
+                size > 0,
+                (size * index + examples_done) // num_workers % tf.maximum(
+                    size, 1), 0)
             return dataset.skip(offset).batch(
                 per_replica, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
@@ -285,14 +421,16 @@ class AsyncTraining:
             grads, _ = gradients_lib.clip_by_global_norm(
                 grads, options.clip_global_norm * scale)
         trainer.optimizer.apply(grads, trainer.model.trainable_variables)
-        self.steps_applied.assign_add(1)
 
     def _build_step(self, steps, global_batch_size):
         if self.ledger is not None and self.ledger.size == steps:
             return self._step_fn
-        self.ledger = ClosureLedger(self.strategy, steps)
+        self.ledger = ClosureLedger(self.strategy, steps,
+                                    steps=self.steps_done)
         compute_loss = self._trainer._compute_loss_fn(global_batch_size)
         strategy, ledger = self.strategy, self.ledger
+        written = [*self._trainer.model.trainable_variables,
+                   *self._trainer.optimizer.variables]
 
         def apply(grads):
             # In cross-replica context: a conditional around an update that
@@ -306,7 +444,7 @@ class AsyncTraining:
             ledger.count_attempt(closure_id)
             loss, grads = strategy.run(self._gradients,
                                        args=(next(iterator), compute_loss))
-            ledger.guarded(closure_id, apply, grads)
+            ledger.guarded(closure_id, apply, grads, written=written)
             return strategy.reduce(tf.distribute.ReduceOp.SUM, loss,
                                    axis=None)
 
@@ -316,15 +454,22 @@ class AsyncTraining:
     # -- fit ----------------------------------------------------------------
 
     def _sync_step(self) -> int:
-        self._trainer._steps_done = int(self.steps_applied.numpy())
+        self._trainer._steps_done = int(self.steps_done.numpy())
         return self._trainer.step
 
-    def _ps_error(self, error, step):
+    def _latest_checkpoint(self):
         model_dir = self._trainer.model_dir
-        latest = tf.train.latest_checkpoint(model_dir) if model_dir else None
-        resume = (f"the chief resumes from its latest checkpoint {latest!r}"
-                  if latest else "there is no checkpoint to resume from "
-                  "(pass `model_dir` and `checkpoint_every`)")
+        return tf.train.latest_checkpoint(model_dir) if model_dir else None
+
+    @staticmethod
+    def _resume_text(latest):
+        return (f"the chief resumes from its latest checkpoint {latest!r}"
+                if latest else "there is no checkpoint to resume from "
+                "(pass `model_dir` and `checkpoint_every`)")
+
+    def _ps_error(self, error, step):
+        latest = self._latest_checkpoint()
+        resume = self._resume_text(latest)
         return ParameterServerError(
             f"A parameter server of {list(self._cluster.cluster['ps'])} died "
             "or became unreachable (the coordinator reported "
@@ -335,6 +480,46 @@ class AsyncTraining:
             f"(tfmulti-launch --ps N --max_restarts R does), and {resume}. "
             f"TensorFlow said: {str(error).strip()[:400]}",
             step=step, checkpoint=latest)
+
+    def _workers_lost(self, failed, seconds):
+        addresses = [self._cluster.cluster["worker"][i] for i in failed]
+        latest = self._latest_checkpoint()
+        step = self._last_step
+        return WorkersLostError(
+            f"Every worker of this job ({addresses}) has been unreachable "
+            f"for {seconds:.0f} s (`stall_timeout_seconds`), after step "
+            f"{step}: the coordinator waits for a worker to come back at "
+            "its address and none did. Restart the workers at the same "
+            "addresses within that time (a cluster manager such as "
+            "Kubernetes does), or restart the job (tfmulti-launch "
+            f"--max_restarts does when the chief fails): "
+            f"{self._resume_text(latest)}.",
+            workers=addresses, step=step, checkpoint=latest)
+
+    def _join(self):
+        """`coordinator.join()`, bounded when every worker is lost.
+
+        TensorFlow retries a failed worker's closures on the others and,
+        with none left, waits for one to return (up to an hour). With
+        every worker held failed for `stall_timeout_seconds` this raises
+        `WorkersLostError` instead.
+        """
+        if (self._stall_timeout is None or self._stall_timeout == math.inf
+                or not self._watch.available):
+            self.coordinator.join()
+            return
+        all_failed_since = None
+        # done() raises the closures' error, as join() does.
+        while not self.coordinator.done():
+            failed = self._watch.failed()
+            now = time.monotonic()
+            if len(failed) < self._watch.size:
+                all_failed_since = None
+            elif all_failed_since is None:
+                all_failed_since = now
+            elif now - all_failed_since >= self._stall_timeout:
+                raise self._workers_lost(failed, now - all_failed_since)
+            time.sleep(_JOIN_POLL_SECONDS)
 
     def fit(self, train_data, **kwargs):
         """See `Trainer.fit`; `steps_per_loop` closures are scheduled, then
@@ -354,15 +539,8 @@ class AsyncTraining:
     def _fit(self, train_data, *, steps, global_batch_size, eval_data,
              eval_every, checkpoint_every, callbacks, actions, verbose,
              seed=0):
-        if actions:
-            raise ValueError(
-                f"`actions` is {list(actions)!r} but under ParameterServer"
-                "Strategy the Trainer's asynchronous loop runs no controller "
-                "actions. Use Keras callbacks (their batch hooks run once per "
-                "loop), or pass actions=().")
         trainer = self._trainer
-        iterator = self._per_worker_iterator(train_data, global_batch_size,
-                                             seed)
+        self._check_train_data(train_data, global_batch_size)
         step_fn = self._build_step(steps, global_batch_size)
         checkpointer = None
         if trainer.model_dir:
@@ -371,52 +549,53 @@ class AsyncTraining:
                 optimizer=trainer.optimizer)
             position = checkpointer.restore()
             if position is not None:
-                self.steps_applied.assign(position.step)
+                self.steps_done.assign(position.step)
                 self._sync_step()
                 if verbose:
                     trainer._print(f"restored {checkpointer.restored_path} "
                                    f"at step {trainer.step}")
         try:
+            iterator = self._per_worker_iterator(
+                train_data, global_batch_size, seed,
+                examples_done=trainer.step * global_batch_size)
             return self._loop(iterator, step_fn, checkpointer, steps=steps,
                               global_batch_size=global_batch_size,
                               eval_data=eval_data, eval_every=eval_every,
                               checkpoint_every=checkpoint_every,
-                              callbacks=callbacks, verbose=verbose)
+                              callbacks=callbacks, actions=actions,
+                              verbose=verbose)
         finally:
             if checkpointer is not None:
                 checkpointer.close()  # the chief's model_dir lock
 
     def _loop(self, iterator, step_fn, checkpointer, *, steps,
               global_batch_size, eval_data, eval_every, checkpoint_every,
-              callbacks, verbose):
+              callbacks, actions, verbose):
+        # The synchronous Trainer's controller and actions: only the inner
+        # loop differs (closures scheduled and joined instead of one
+        # tf.function over the replicas).
         trainer = self._trainer
-        train_writer = summaries.ScalarWriter(trainer.model_dir,
-                                              self.strategy, "train")
-        eval_writer = summaries.ScalarWriter(trainer.model_dir,
-                                             self.strategy, "eval")
         callback_list = keras.callbacks.CallbackList(list(callbacks),
                                                      model=trainer.model)
         trainer.model.stop_training = False
         history = {key: [] for key in (
             "step", "loss", "step_loss", "steps_per_sec", "examples_per_sec",
-            "retried_closures", "reattempted_on_ps",
+            "retried_closures", "reattempted_on_ps", "lost_updates",
             *[m.name for m in trainer.metrics])}
-        callback_list.on_train_begin()
-        step = last_saved = self._last_step = trainer.step
-        while step < steps and not trainer.model.stop_training:
-            start = step
-            n = loop_lib.loop_length(
-                start, steps=steps, steps_per_loop=trainer._steps_per_loop,
-                eval_every=eval_every if eval_data is not None else None)
+
+        def train_loop(start, n):
             for metric in trainer.metrics:
                 metric.reset_state()
             callback_list.on_train_batch_begin(start)
+            retried_before = self.retries.value()
             began = time.perf_counter()
             remote = [self.coordinator.schedule(step_fn, args=(
                 iterator, tf.constant(start + i, tf.int32)))
                       for i in range(n)]
-            self.coordinator.join()
+            self._join()
             losses = np.array([float(r.fetch()) for r in remote])
+            # Counted inside the ledger's claims on the ps: a closure
+            # applied twice would show here (history["step"]).
             step = self._last_step = self._sync_step()
             elapsed = time.perf_counter() - began
             skipped = numerics.check_losses(
@@ -425,48 +604,42 @@ class AsyncTraining:
             counts = self.ledger.counts()
             logs = {"loss": float(losses.mean()),
                     **{m.name: float(m.result()) for m in trainer.metrics}}
-            speed = {"steps_per_sec": n / elapsed,
-                     "examples_per_sec": n * global_batch_size / elapsed}
             history["step"].append(step)
             history["step_loss"].extend(losses.tolist())
             history["retried_closures"].append(self.retries.value())
             history["reattempted_on_ps"].append(
                 int(np.sum(counts["attempts"] > 1)))
-            for key, value in {**logs, **speed}.items():
+            lost_before = (history["lost_updates"] or [0])[-1]
+            history["lost_updates"].append(ClosureLedger.lost(counts))
+            logs_and_speed = {
+                **logs, "steps_per_sec": n / elapsed,
+                "examples_per_sec": n * global_batch_size / elapsed}
+            for key, value in logs_and_speed.items():
                 history[key].append(value)
-            train_writer.write(step, {**logs, **speed})
             if skipped:
                 trainer._print(f"skipped non-finite update(s) {skipped}")
-            if verbose:
+            if (verbose and self.retries.available and
+                    self.retries.value() > retried_before):
                 trainer._print(
-                    f"step {step}/{steps} " + " ".join(
-                        f"- {k} {v:.4f}" for k, v in logs.items()) +
-                    f" - {speed['steps_per_sec']:.1f} steps/s - retried "
-                    f"closures {history['retried_closures'][-1]}")
-            callback_list.on_train_batch_end(step - 1, logs)
-            at_end = step >= steps or trainer.model.stop_training
-            if eval_data is not None and (at_end or (
-                    eval_every is not None and step % eval_every == 0)):
-                results = self.evaluate(eval_data)
-                history.setdefault("val_step", []).append(step)
-                for key, value in results.items():
-                    history.setdefault(f"val_{key}", []).append(value)
-                eval_writer.write(step, results)
-                if verbose:
-                    trainer._print(f"eval at step {step} " + " ".join(
-                        f"- {k} {v:.4f}" for k, v in results.items()))
-            preempted = getattr(trainer, "_preemption", None)
-            preempted = preempted is not None and preempted.signalled
-            if checkpointer is not None and (at_end or preempted or (
-                    checkpoint_every is not None and
-                    step - last_saved >= checkpoint_every)):
-                checkpointer.save(step)
-                last_saved = step
-            if preempted:
-                trainer._print(f"preempted: saved the checkpoint of step "
-                               f"{step}; exiting with code "
-                               f"{exit_codes.PREEMPTED}")
-                sys.exit(exit_codes.PREEMPTED)
+                    f"retried closures {self.retries.value()} (a worker "
+                    "failed; its closures ran again on the others)")
+            if history["lost_updates"][-1] > lost_before:
+                trainer._print(
+                    f"lost updates {history['lost_updates'][-1]} (a worker "
+                    "died while its update was landing on the parameter "
+                    "servers; none is applied twice)")
+            callback_list.on_train_batch_end(start + n - 1, logs)
+            return controller_lib.LoopResult(
+                step=start + n, steps=steps, at_end=False, losses=losses,
+                logs=logs_and_speed)
+
+        trainer._run_controller(
+            train_loop, callback_list, history, steps=steps,
+            eval_data=eval_data, eval_every=eval_every, actions=actions,
+            checkpointer=checkpointer, checkpoint_every=checkpoint_every,
+            batch=global_batch_size, verbose=verbose,
+            preemption_watcher=_ChiefPreemption(
+                getattr(trainer, "_preemption", None)))
         callback_list.on_train_end(history)
         return history
 

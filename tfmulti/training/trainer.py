@@ -578,6 +578,35 @@ class Trainer:
                 step=start + n, steps=steps, at_end=False, losses=losses,
                 logs=logs_and_speed)
 
+        self._run_controller(
+            train_loop, callback_list, history, steps=steps, agree=self._agree,
+            eval_data=eval_data, eval_every=eval_every, actions=actions,
+            checkpointer=checkpointer, checkpoint_every=checkpoint_every,
+            batch=batch, verbose=verbose, preemption_watcher=self._preemption)
+        if weight_check is not None:
+            # Once per fit; a checkpoint of NaN weights is refused anyway.
+            weight_check.check_now(step=self.step)
+        callback_list.on_train_end(history)
+        return history
+
+    def _run_controller(self, train_loop, callback_list, history, *, steps,
+                        agree=None, **loop_actions):
+        """Runs `train_loop` loop after loop up to `steps` under the
+        controller, with `_loop_actions(**loop_actions)` between loops (both
+        modes of `fit`; `agree`: the workers' agreement on stopping)."""
+        actions = self._loop_actions(callback_list, history, **loop_actions)
+        callback_list.on_train_begin()
+        controller_lib.Controller(
+            train_loop, steps_per_loop=self._steps_per_loop, actions=actions,
+            agree=agree).run(self.step, steps,
+                             stop=lambda: self.model.stop_training)
+
+    def _loop_actions(self, callback_list, history, *, eval_data,
+                      eval_every, actions, checkpointer, checkpoint_every,
+                      batch, verbose, preemption_watcher):
+        """The controller's actions of `fit` (also its asynchronous mode's):
+        summaries, the log line, evaluation, the user's `actions`, the
+        checkpoint and the exit on preemption, in that order."""
         eval_schedule = controller_lib.Schedule(
             every_steps=eval_every, exact=eval_every is not None)
         loop_actions = []
@@ -610,17 +639,8 @@ class Trainer:
                 checkpointer, position,
                 schedule=save_schedule))
             loop_actions.append(actions_lib.ExitOnPreemption(
-                self._preemption, checkpointer, position, say=self._print))
-        callback_list.on_train_begin()
-        controller_lib.Controller(
-            train_loop, steps_per_loop=self._steps_per_loop,
-            actions=loop_actions, agree=self._agree).run(
-                self.step, steps, stop=lambda: self.model.stop_training)
-        if weight_check is not None:
-            # Once per fit; a checkpoint of NaN weights is refused anyway.
-            weight_check.check_now(step=self.step)
-        callback_list.on_train_end(history)
-        return history
+                preemption_watcher, checkpointer, position, say=self._print))
+        return loop_actions
 
     def _agree(self, flags):
         """Element-wise OR of `flags` over all workers (one all-reduce)."""
