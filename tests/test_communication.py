@@ -91,9 +91,11 @@ def test_equals_synchronous(runs, case, golden, tolerance):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,golden,tolerance", [
-    ("local_h1", "sync", LOCAL_SGD_TOLERANCE),
     ("local_path_h1", "sync_sgd", LOCAL_SGD_TOLERANCE),
+    # Full rank after 3 dense updates.
     ("powersgd_full", "sync", POWERSGD_TOLERANCE),
+    # A dense warm-up as long as the run: the synchronous update.
+    ("powersgd_r1_dense", "sync", LOCAL_SGD_TOLERANCE),
 ])
 def test_equals_synchronous_mirrored_4(mirrored, case, golden, tolerance):
     assert mirrored["replicas"] == 4
@@ -102,12 +104,40 @@ def test_equals_synchronous_mirrored_4(mirrored, case, golden, tolerance):
 
 
 @pytest.mark.slow
+def test_powersgd_dense_warmup_switch(mirrored):
+    # PowerSGD(start_iter=3) is, by definition (PyTorch's
+    # start_powerSGD_iter), 3 synchronous updates and then PowerSGD from its
+    # first update: zero error feedback, the initial Q.
+    warm = mirrored["powersgd_r1_start3"]
+    reference = mirrored["powersgd_r1_after_3_sync"]
+    assert max_diff(dict(warm, loss=warm["loss"][3:]),
+                    reference) <= LOCAL_SGD_TOLERANCE
+    assert max_diff(dict(warm, loss=warm["loss"][:4]), dict(
+        mirrored["sync"], loss=mirrored["sync"]["loss"][:4],
+        weights=warm["weights"])) <= LOCAL_SGD_TOLERANCE
+
+
+@pytest.mark.slow
+def test_powersgd_dense_warmup_under_multi_worker(runs):
+    for run in runs:
+        warm, sync = run["powersgd_r1_start3"], run["sync"]
+        # The loss of update k is computed before it: the first 4 are the
+        # synchronous run's, the 5th (after the first compressed update)
+        # is not.
+        np.testing.assert_allclose(warm["loss"][:4], sync["loss"][:4],
+                                   atol=LOCAL_SGD_TOLERANCE)
+        assert abs(warm["loss"][4] - sync["loss"][4]) > 1e-4
+
+
+@pytest.mark.slow
 def test_batchnorm_statistics_averaged(runs):
     # Moving statistics are linear in each replica's batch statistics, so
     # their mean over all 4 replicas is what one copy updated with the global
-    # batch statistics holds; local SGD averages them at each
-    # synchronisation (and the train loop at its end), as the synchronous
-    # run does at the loop's end: every replica of both workers holds it.
+    # batch statistics holds, whenever the mean is taken. The train loop
+    # takes it at its end, the one place (local SGD sends none at its
+    # synchronisations): every replica of both workers then holds the
+    # synchronous run's values. Without that average each replica keeps
+    # its own (checked by removing it: this test then fails).
     def every_replica(case):
         # [variable] -> array [replica 0, 1 of worker 0, then of worker 1]
         return [np.array(runs[0][case]["state"][v] + runs[1][case]["state"][v])
@@ -137,6 +167,35 @@ def test_local_sgd_is_not_synchronous_and_workers_agree_at_sync(runs):
                     dict(second["diloco_h4"], loss=[0])) > 1e-4
 
 
+@pytest.mark.slow
+def test_evaluation_between_syncs_reads_mean_weights(runs):
+    # DiLoCo (warm-up 2, H=4) last synchronised at update 6 of 8: the
+    # workers' weights differ, and evaluation reads their mean, computed
+    # here from both workers' weights, on the 100 evaluation examples.
+    first, second = (run["diloco_h4"] for run in runs)
+    mean = [(np.array(a) + np.array(b)) / 2
+            for a, b in zip(first["weights"], second["weights"])]
+    # The worker's data (tests/workers/communication_golden.py).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(512,))
+    logits = np.maximum(x[:100] @ mean[0] + mean[1], 0) @ mean[2] + mean[3]
+    logits = logits - logits.max(axis=1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    expected = -log_p[np.arange(100), y[:100]].mean()
+    for run in (first, second):
+        assert run["evaluation"]["loss"] == pytest.approx(expected, abs=1e-5)
+        # The training trajectory is untouched: each worker's own weights
+        # are back.
+        assert run["weights_after_evaluation"] == run["weights"]
+        # One all-reduce of the parameters, counted.
+        before, after = run["communication"], run[
+            "communication_after_evaluation"]
+        assert after["inter_worker_calls"] == before["inter_worker_calls"] + 1
+        assert after["inter_worker_bytes"] == before[
+            "inter_worker_bytes"] + parameter_bytes(run)
+
+
 def parameter_bytes(run):
     return 4 * sum(int(np.prod(s)) for s in run["shapes"])
 
@@ -164,21 +223,24 @@ def test_local_sgd_bytes_between_workers(runs):
 def test_powersgd_bytes(runs):
     options = tfmulti.PowerSGD(rank=1)
     for run in runs:
-        shapes = run["powersgd_r1"]["shapes"]
+        # 3 dense updates (the warm-up), then 5 compressed ones.
+        warm = run["powersgd_r1_start3"]
         expected = 0
-        for shape in shapes:
+        for shape in warm["shapes"]:
             if powersgd.compresses(shape, options):
                 m, n = powersgd.matrix_shape(shape)
                 expected += 4 * (m + n) * 1
             else:
                 expected += 4 * int(np.prod(shape))
-        traffic = run["powersgd_r1"]["communication"]
-        assert traffic["all_reduce_bytes"] == STEPS * expected
-        # Packed: the dense tensors with the P factors, then the Q factors.
-        assert traffic["all_reduce_calls"] == 2 * STEPS
-        assert traffic["inter_worker_bytes"] == STEPS * expected
+        dense = parameter_bytes(warm)
+        traffic = warm["communication"]
+        assert traffic["all_reduce_bytes"] == 3 * dense + 5 * expected
+        # Packed: one dense all-reduce per warm-up update; then the dense
+        # tensors with the P factors, and the Q factors.
+        assert traffic["all_reduce_calls"] == 3 * 1 + 5 * 2
+        assert traffic["inter_worker_bytes"] == traffic["all_reduce_bytes"]
         # Both matrices compress at rank 1: 62 floats instead of 195.
-        assert expected < parameter_bytes(run["powersgd_r1"]) / 3
+        assert expected < dense / 3
 
 
 def test_options_validated():
@@ -194,6 +256,10 @@ def test_options_validated():
         tfmulti.PowerSGD(rank=0)
     with pytest.raises(ValueError, match="`min_compression_rate`"):
         tfmulti.PowerSGD(min_compression_rate=0)
+    with pytest.raises(ValueError, match="`start_iter`.*-1"):
+        tfmulti.PowerSGD(start_iter=-1)
+    with pytest.raises(ValueError, match="`start_iter`"):
+        tfmulti.PowerSGD(start_iter=2.0)
     assert tfmulti.LocalSGD(every=1).synchronous
     assert not tfmulti.LocalSGD(every=1,
                                 outer_optimizer=tfmulti.OuterSGD()).synchronous

@@ -13,6 +13,7 @@ equality cases under MirroredStrategy.
 Writes {case: {"loss", "weights", "replicas_equal", "communication", ...}}.
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -38,6 +39,7 @@ import tensorflow as tf  # noqa: E402
 
 BATCH = 32
 STEPS = 8
+EVAL = 100  # examples of the evaluation between synchronisations
 rng = np.random.default_rng(0)
 X = rng.normal(size=(512, 8)).astype("float32")
 Y = rng.integers(0, 3, size=(512,)).astype("int32")
@@ -65,9 +67,13 @@ CASES = {
     "powersgd_full_clip_accum": (ADAM, {"compression": FULL_RANK,
                                         "clip_global_norm": 0.05,
                                         "grad_accum_steps": 2}),
-    "powersgd_r1": (ADAM, {"compression": tfmulti.PowerSGD(rank=1)}),
-    # BatchNorm: each replica's moving statistics are its own; local SGD
-    # averages them over every replica at each synchronisation.
+    # Dense warm-up (PyTorch's start_powerSGD_iter): 3 plain all-reduces,
+    # then compressed with error feedback from zero.
+    "powersgd_r1_start3": (ADAM, {"compression": tfmulti.PowerSGD(
+        rank=1, start_iter=3)}),
+    # BatchNorm: each replica's moving statistics are its own; the train
+    # loop averages them over every replica at its end (local SGD sends
+    # none at its synchronisations).
     "sync_sgd_bn": (SGD, {"batch_norm": True}),
     "local_path_h1_bn": (SGD, {"batch_norm": True, "sync": tfmulti.LocalSGD(
         every=1, outer_optimizer=tfmulti.OuterSGD(learning_rate=1.0,
@@ -185,8 +191,11 @@ results = {"workers": communication.num_workers(strategy),
 # inner momentum, BatchNorm statistics and anchors are its own.
 RESUME_LOCAL = (SGD, {"batch_norm": True, "sync": tfmulti.LocalSGD(
     every=3, outer_optimizer=tfmulti.OuterSGD(), warmup_steps=1)})
-# Every replica's error-feedback buffer is its own.
-RESUME_POWERSGD = (ADAM, {"compression": tfmulti.PowerSGD(rank=1)})
+# Every replica's error-feedback buffer is its own; compression starts after
+# 2 dense updates, so a resume that lost the update count would send update
+# 6 dense.
+RESUME_POWERSGD = (ADAM, {"compression": tfmulti.PowerSGD(rank=1,
+                                                          start_iter=2)})
 RESUMED = {"resume_local": RESUME_LOCAL, "resume_powersgd": RESUME_POWERSGD}
 FIRST_STEPS = 5
 
@@ -199,14 +208,40 @@ def checkpointed(model_dir):
 if MODE == "mirrored":
     # One worker, 4 replicas: no worker to average with, so local SGD is the
     # synchronous update; full-rank PowerSGD equals it too.
-    for name in ("sync", "local_h1", "local_path_h1", "sync_sgd"):
+    # (LocalSGD(every=1) IS the synchronous reducer; compared under 2 x 2.)
+    for name in ("sync", "local_path_h1", "sync_sgd"):
         gc.collect()
         model, trainer = trainer_for(*CASES[name])
         results[name] = result(model, trainer,
                                trainer.fit(dataset(), steps=STEPS, verbose=0))
-    model, trainer = trainer_for(ADAM, {"compression": FULL_RANK})
+    # Full rank after a dense warm-up of 3 updates: the switch under a
+    # tf.cond around MirroredStrategy's merge_calls.
+    model, trainer = trainer_for(ADAM, {"compression": dataclasses.replace(
+        FULL_RANK, start_iter=3)})
     results["powersgd_full"] = result(
         model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
+    # A warm-up as long as the run: never compressed.
+    model, trainer = trainer_for(ADAM, {"compression": tfmulti.PowerSGD(
+        rank=1, start_iter=STEPS)})
+    results["powersgd_r1_dense"] = result(
+        model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
+    # The switch, golden: PowerSGD(start_iter=3) against its definition,
+    # 3 synchronous updates, then PowerSGD from the first update (zero
+    # error feedback, the initial Q) on the same model and optimizer.
+    model, trainer = trainer_for(ADAM, {"compression": tfmulti.PowerSGD(
+        rank=1, start_iter=3)})
+    results["powersgd_r1_start3"] = result(
+        model, trainer, trainer.fit(dataset(), steps=STEPS, verbose=0))
+    model, trainer = trainer_for(ADAM, {})
+    trainer.fit(dataset(), steps=3, verbose=0)
+    trainer = tfmulti.Trainer(
+        model, trainer.optimizer, strategy=strategy, steps_per_loop=5,
+        compression=tfmulti.PowerSGD(rank=1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                        reduction=None))
+    results["powersgd_r1_after_3_sync"] = result(
+        model, trainer, trainer.fit(dataset().skip(3), steps=STEPS - 3,
+                                    verbose=0))
 elif MODE == "multi_worker":
     for name, (make_optimizer, kwargs) in CASES.items():
         gc.collect()
@@ -214,6 +249,19 @@ elif MODE == "multi_worker":
         model, trainer = trainer_for(make_optimizer, kwargs)
         results[name] = result(model, trainer,
                                trainer.fit(dataset(), steps=STEPS, verbose=0))
+        if name == "diloco_h4":
+            # Step 8 is between synchronisations (the last at 6):
+            # evaluation reads the workers' mean weights, then puts this
+            # worker's back.
+            results[name]["evaluation"] = trainer.evaluate(
+                tfmulti.distribute_dataset(
+                    strategy, lambda _: tf.data.Dataset.from_tensor_slices(
+                        (X[:EVAL], Y[:EVAL])), global_batch_size=BATCH,
+                    training=False))
+            results[name]["weights_after_evaluation"] = [
+                w.tolist() for w in model.get_weights()]
+            results[name]["communication_after_evaluation"] = (
+                trainer.communication)
     for name, kwargs in {"keras_sync": {}, "keras_powersgd_full": {
             "compression": FULL_RANK}, "keras_local_h4": {
                 "sync": tfmulti.LocalSGD(every=4)}}.items():

@@ -41,8 +41,9 @@ MODES = {
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
         "soak": {"seconds": 300, "interval": 10},
         "pipeline_bubble": {"stages": (2, 4)},
-        # Full bench only: six trainings of 2 epochs on 2 workers x 2
-        # replicas (about 20 minutes on 2 busy cores).
+        # Full bench only: eight trainings of 2 epochs on 2 workers x 2
+        # replicas per seed (about 10 minutes per seed on 2 busy cores;
+        # --seeds adds seeds).
         "communication_reduction": {"steps": 624, "global_batch_size": 64},
     },
     "quick": {
@@ -231,8 +232,9 @@ def _communication_reduction(mode, timeout):
     return _run_part(
         "communication_reduction",
         dict(mode["communication_reduction"], data_dir=data_dir),
-        # Minutes long by design: six trainings.
-        timeout=max(timeout, 3600),
+        # Minutes long by design: eight trainings per seed.
+        timeout=max(timeout, 3600 * len(
+            mode["communication_reduction"].get("seeds", (0,)))),
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0]
 
 
@@ -254,7 +256,8 @@ RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
-        timeout: float = 300.0, data_dir: str | None = None) -> dict:
+        timeout: float = 300.0, data_dir: str | None = None,
+        seeds=None) -> dict:
     """Runs the benchmark parts, writes the report to `out`; returns it.
 
     Args:
@@ -264,6 +267,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
       timeout: seconds each part may take before its processes are killed.
       data_dir: TFDS data dir holding (or to hold) `tfmulti_shapes` for the
         input-pipeline part; None prepares it in a temporary directory.
+      seeds: seeds of the communication_reduction part (one training per
+        configuration and seed); None: the mode's.
 
     A part that fails or times out is recorded under "errors" and the
     others still run.
@@ -277,6 +282,9 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
     began = time.monotonic()
     load_start = os.getloadavg()
     settings = dict(MODES[mode], data_dir=data_dir)
+    if seeds is not None and "communication_reduction" in settings:
+        settings["communication_reduction"] = dict(
+            settings["communication_reduction"], seeds=tuple(seeds))
     results = {"schema_version": report.SCHEMA_VERSION,
                "machine": report.machine(),
                "settings": dict(settings, mode=mode,
@@ -332,10 +340,15 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=None,
                         help="TFDS data dir for tfmulti_shapes (default: "
                         "prepared in a temporary directory)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="seeds of the communication_reduction part "
+                        "(one training per configuration and seed; "
+                        "default: 0 only)")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     results = run(out=args.out, mode=mode, only=args.only,
-                  timeout=args.timeout, data_dir=args.data_dir)
+                  timeout=args.timeout, data_dir=args.data_dir,
+                  seeds=args.seeds)
     print(f"tfmulti.bench: {results['seconds']:.0f} s; load average "
           f"{report.format_load(results['load_average']['start'])} at start, "
           f"{report.format_load(results['load_average']['end'])} at end")

@@ -21,6 +21,7 @@ Keras is patched: only attributes of that model instance change.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -37,7 +38,7 @@ from tfmulti.training import data_checks
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import reduction, replica_statistics
+from tfmulti.training import reduction
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer as trainer_lib
 from tfmulti.training import xla as xla_lib
@@ -370,7 +371,6 @@ def _make_train_function(model, force=False):
         state.reducer = reduction.make_reducer(
             strategy, model.trainable_variables, sync=state.sync,
             compression=state.compression,
-            state_variables=replica_statistics.unsynchronized(model),
             communication_options=communication_options,
             allreduce_dtype=state.options.allreduce_dtype)
     train_step = step_lib.TrainStep(
@@ -574,7 +574,10 @@ def _evaluate(model, x=None, *args, **kwargs):
         data_checks.check_not_empty(x, arg=state.eval_arg,
                                     purpose="evaluate")
     state.eval_batches = 0
-    logs = type(model).evaluate(model, x, *args, **kwargs)
+    # Between local-SGD synchronisations: on the workers' mean weights.
+    with (state.reducer.evaluation_weights() if state.reducer is not None
+          else contextlib.nullcontext()):
+        logs = type(model).evaluate(model, x, *args, **kwargs)
     if not state.eval_batches:
         raise ValueError(
             f"`{state.eval_arg}` yielded no batches (an empty dataset), so "

@@ -16,6 +16,8 @@ strategy's global all-reduce.
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_lib
 from tensorflow.python.distribute import cross_device_utils
@@ -158,7 +160,38 @@ def global_all_reduce_fn(strategy, options=None):
     return reduce_collective
 
 
-class SynchronousReducer:
+class Reducer:
+    """What every reducer offers the train step, with the defaults.
+
+    `reduce(grads)` (replica context) replaces the one all-reduce of an
+    update; `run_update`, `before_update` and `after_update` run in
+    cross-replica context around the step's `strategy.run`; `traffic` counts
+    what was sent.
+    """
+
+    def run_update(self, update):
+        """Runs the step's update (`update()`, cross-replica context)."""
+        return update()
+
+    def before_update(self):
+        """Nothing to do before an update."""
+        return None
+
+    def evaluation_weights(self):
+        """Context in which evaluation reads the weights: the model's own
+        (every worker holds the same ones)."""
+        return contextlib.nullcontext()
+
+    def trackables(self) -> dict:
+        """Extra checkpoint state: none."""
+        return {}
+
+    def state_variables(self) -> list:
+        """Per-worker state: none (every replica holds the same values)."""
+        return []
+
+
+class SynchronousReducer(Reducer):
     """tfmulti's ordinary update: one global all-reduce of the gradients.
 
     Args:
@@ -190,20 +223,9 @@ class SynchronousReducer:
         return gradients_lib.all_reduce_sum(grads, options=self._options,
                                             dtype=self._dtype)
 
-    def before_update(self):
-        """Nothing to do before an update."""
-        return None
-
     def after_update(self):
         """Counts this update's all-reduce (cross-replica context)."""
         if self._traced_bytes and self._strategy.num_replicas_in_sync > 1:
             self.traffic.add(1, self._traced_bytes,
                              inter_worker=self._inter_worker)
 
-    def trackables(self) -> dict:
-        """Extra checkpoint state: none."""
-        return {}
-
-    def state_variables(self) -> list:
-        """Per-worker state: none (every replica holds the same values)."""
-        return []

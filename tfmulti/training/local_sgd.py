@@ -15,6 +15,7 @@ as in PyTorch's PostLocalSGDOptimizer and DiLoCo.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import keras
@@ -102,28 +103,26 @@ class LocalSGD:
         return self.every == 1 and self.outer_optimizer is None
 
 
-class LocalSGDReducer:
+class LocalSGDReducer(communication.Reducer):
     """The reducer (see `communication`) for `LocalSGD`.
 
     Args:
       strategy: the strategy the variables live in.
       variables: the trainable variables.
       options: `LocalSGD`.
-      state_variables: non-trainable model state each replica updates
-        alone (`replica_statistics.unsynchronized`: BatchNorm moving
-        statistics), averaged over every replica at each synchronisation.
       communication_options: for the all-reduces.
+
+    BatchNorm's moving statistics are not sent at synchronisations: they are
+    exponential averages, linear in each replica's batch statistics, so
+    averaging them once before they are read (the train loop does, at its
+    end: `replica_statistics.average`) gives exactly what averaging them at
+    every synchronisation would.
     """
 
     def __init__(self, strategy, variables, options: LocalSGD, *,
-                 state_variables=(), communication_options=None):
+                 communication_options=None):
         self._strategy = strategy
         self._variables = list(variables)
-        # Each replica updates its moving statistics from its own batches
-        # (Keras keeps one value per replica); averaged over the replicas
-        # they are the statistics of the global batches, and equal on every
-        # worker after a synchronisation, like the weights.
-        self._state = list(state_variables)
         self._options = options
         self._comm = communication_options
         self._workers = communication.num_workers(strategy)
@@ -135,6 +134,8 @@ class LocalSGDReducer:
         self.traffic = communication.Traffic()
         self._traced_local_bytes = 0
         self._traced_warm_bytes = 0
+        # This worker's own weights while evaluation reads the mean.
+        self._saved = None
         outer = options.outer_optimizer
         with strategy.scope():
             # Keras variables: assigned in replica context (every replica
@@ -185,13 +186,9 @@ class LocalSGDReducer:
     def _replica_sync(self):
         values = [tf.convert_to_tensor(v) - a for v, a in
                   zip(self._variables, self._anchors)]
-        # One packed all-reduce: the deltas and the non-trainable state.
-        summed = self._reduce_all(
-            values + [tf.convert_to_tensor(v) for v in self._state])
+        # One packed all-reduce of the deltas.
+        summed = self._reduce_all(values)
         replicas = self._strategy.num_replicas_in_sync
-        for v, s in zip(self._state, summed[len(values):]):
-            v.assign(s / replicas)
-        summed = summed[:len(values)]
         outer = self._options.outer_optimizer
         for i, (v, a, s) in enumerate(zip(self._variables, self._anchors,
                                           summed)):
@@ -255,18 +252,86 @@ class LocalSGDReducer:
             self.traffic.add(local_calls,
                              local_calls * self._traced_local_bytes,
                              inter_worker=False)
-        sync_bytes = communication.payload_bytes(self._variables +
-                                                 self._state)
+        sync_bytes = communication.payload_bytes(self._variables)
 
         def sync():
             self._run(self._replica_sync)
             self.traffic.add(1, sync_bytes, inter_worker=True)
             return tf.constant(0, tf.int32)
 
-        due = tf.logical_and(
+        tf.cond(self._sync_due(updates), sync,
+                lambda: tf.constant(0, tf.int32))
+
+    def _sync_due(self, updates):
+        """Whether the workers synchronise after update number `updates`."""
+        options = self._options
+        return tf.logical_and(
             updates > options.warmup_steps,
             (updates - options.warmup_steps) % options.every == 0)
-        tf.cond(due, sync, lambda: tf.constant(0, tf.int32))
+
+    def evaluation_weights(self):
+        """Context in which evaluation reads the weights: between
+        synchronisations, the mean of the workers' weights, the local ones
+        put back after.
+
+        Each worker would otherwise evaluate its share of the data with its
+        own weights and the metrics would mix the workers' models. The
+        swap costs one all-reduce of the parameters (counted) and leaves
+        the training trajectory as it was. At a synchronisation point, in
+        the warm-up or on one worker, the weights are already the same
+        everywhere: nothing is sent.
+        """
+        if self._workers == 1:
+            return contextlib.nullcontext()
+        return self._averaged_weights()
+
+    @contextlib.contextmanager
+    def _averaged_weights(self):
+        if self._saved is None:
+            # Made at the first evaluation, outside any tf.function: a
+            # trainer that never evaluates between syncs never holds them.
+            with self._strategy.scope():
+                self._saved = [keras.Variable(
+                    tf.zeros(v.shape, v.dtype), trainable=False,
+                    name="local_sgd_local_weights") for v in self._variables]
+            self._swap_in = tf.function(self._swap_in_fn)
+            self._swap_out = tf.function(
+                lambda: self._run(self._replica_restore))
+        swapped = bool(self._swap_in().numpy())
+        try:
+            yield
+        finally:
+            if swapped:
+                self._swap_out()
+
+    def _swap_in_fn(self):
+        updates = self._updates.read_value()
+        # Past the warm-up and not just synchronised.
+        apart = tf.logical_and(updates > self._options.warmup_steps,
+                               tf.logical_not(self._sync_due(updates)))
+        nbytes = communication.payload_bytes(self._variables)
+
+        def swap():
+            self._run(self._replica_average)
+            self.traffic.add(1, nbytes, inter_worker=True)
+            return tf.constant(True)
+
+        return tf.cond(apart, swap, lambda: tf.constant(False))
+
+    def _replica_average(self):
+        values = [tf.convert_to_tensor(v) for v in self._variables]
+        summed = self._reduce_all(values)
+        replicas = self._strategy.num_replicas_in_sync
+        for v, saved, value, s in zip(self._variables, self._saved, values,
+                                      summed):
+            saved.assign(value)
+            v.assign(s / replicas)
+        return tf.constant(0, tf.int32)
+
+    def _replica_restore(self):
+        for v, saved in zip(self._variables, self._saved):
+            v.assign(tf.convert_to_tensor(saved))
+        return tf.constant(0, tf.int32)
 
     def trackables(self) -> dict:
         """Checkpoint state: anchors, outer momentum, the update count."""

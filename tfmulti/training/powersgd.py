@@ -10,6 +10,9 @@ gradient. The rest (biases, norms, small matrices) go dense. The dense
 tensors and the P factors share one packed all-reduce, the Q factors a
 second one. Error feedback: what compression dropped from this replica's
 share is added to its next gradient. Warm start: Q persists between steps.
+Dense warm-up (PyTorch's `start_powerSGD_iter`): the first `start_iter`
+updates are plain all-reduces; error feedback starts from zero at the
+switch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.training import communication
+from tfmulti.training import gradients as gradients_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,10 @@ class PowerSGD:
       warm_start: reuse Q from the previous step (else a fresh random Q).
       error_feedback: add what compression dropped to the next gradient.
       seed: seed of the initial Q (the same on every replica).
+      start_iter: updates made with the plain (dense) all-reduce before
+        compression starts (PyTorch's `start_powerSGD_iter`): the early
+        gradients change fast and a low-rank approximation of them loses
+        most; 0 compresses from the first update.
     """
 
     rank: int = 4
@@ -42,6 +50,7 @@ class PowerSGD:
     warm_start: bool = True
     error_feedback: bool = True
     seed: int = 0
+    start_iter: int = 0
 
     def __post_init__(self):
         r = self.rank
@@ -58,6 +67,12 @@ class PowerSGD:
                                  f"{getattr(self, name)!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"`seed` should be an int, got {self.seed!r}.")
+        w = self.start_iter
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(
+                f"`start_iter` should be an int >= 0 (dense updates before "
+                f"compression starts; 0 compresses from the first), got "
+                f"{w!r}.")
 
 
 def matrix_shape(shape) -> tuple[int, int] | None:
@@ -82,7 +97,7 @@ def compresses(shape, options: PowerSGD) -> bool:
     return m * n >= options.min_compression_rate * rank * (m + n)
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(communication.Reducer):
     """The reducer (see `communication`) for `PowerSGD`.
 
     Args:
@@ -102,7 +117,15 @@ class PowerSGDReducer:
         self._compressed = [i for i, v in enumerate(variables)
                             if compresses(v.shape, options)]
         self._traced = (0, 0)
+        self._traced_dense_bytes = 0
+        # Set while the dense warm-up branch of `run_update` is traced.
+        self._tracing_dense = False
         with strategy.scope():
+            # Updates made so far (dense ones included): decides when
+            # compression starts, and is checkpointed with the rest.
+            self._updates = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="powersgd_updates",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self._q = []
             self._errors = []
             for k, i in enumerate(self._compressed):
@@ -121,9 +144,37 @@ class PowerSGDReducer:
         return tf.random.stateless_normal(
             (n, rank), seed=(self._options.seed, k), dtype=tf.float32)
 
+    def run_update(self, update):
+        """Runs `update()` (the step's `strategy.run` of its update, in
+        cross-replica context): with a dense warm-up, under a `tf.cond` on
+        the update count, traced once with the plain all-reduce and once
+        compressed.
+
+        The cond sits around the whole `strategy.run`: a `tf.cond` inside
+        the replica function cannot hold MirroredStrategy's or
+        MultiWorkerMirroredStrategy's `merge_call` (the optimizer's update
+        goes through one too).
+        """
+        if not self._options.start_iter:
+            return update()
+
+        def dense():
+            self._tracing_dense = True
+            try:
+                return update()
+            finally:
+                self._tracing_dense = False
+
+        return tf.cond(self._updates < self._options.start_iter, dense,
+                       update)
+
     def reduce(self, grads):
         """Sums `grads` over every replica, large matrices compressed
         (replica context)."""
+        if self._tracing_dense:
+            # The warm-up: tfmulti's ordinary all-reduce of every gradient.
+            self._traced_dense_bytes = communication.payload_bytes(grads)
+            return gradients_lib.all_reduce_sum(grads, options=self._comm)
         context = tf.distribute.get_replica_context()
         compressed = set(self._compressed)
         dense_ids = [i for i, g in enumerate(grads)
@@ -167,27 +218,32 @@ class PowerSGDReducer:
         return out
 
     def after_update(self):
-        """Counts this update's all-reduces (cross-replica context)."""
+        """Counts this update's all-reduces (cross-replica context): one
+        dense one during the warm-up, the compressed ones after."""
         calls, nbytes = self._traced
-        if calls and self._strategy.num_replicas_in_sync > 1:
-            self.traffic.add(calls, nbytes, inter_worker=self._inter_worker)
-
-    def before_update(self):
-        """Nothing to do before an update."""
-        return None
+        dense = self._updates < self._options.start_iter
+        self._updates.assign_add(1)
+        if self._strategy.num_replicas_in_sync == 1:
+            return
+        if self._options.start_iter:
+            calls = tf.where(dense, 1, calls)
+            nbytes = tf.where(dense, self._traced_dense_bytes, nbytes)
+        self.traffic.add(calls, nbytes, inter_worker=self._inter_worker)
 
     def trackables(self) -> dict:
-        """Checkpoint state: the Q matrices and the error-feedback buffers
-        (replica 0's on the chief; every replica's in `worker_state`)."""
+        """Checkpoint state: the Q matrices, the error-feedback buffers
+        (replica 0's on the chief; every replica's in `worker_state`) and
+        the update count (where the dense warm-up ends)."""
         state = tf.Module(name="powersgd")
         state.q = self._q
         state.errors = self._errors
+        state.updates = self._updates
         return {"powersgd": state}
 
     def state_variables(self) -> list:
-        """Every replica's own error-feedback buffer and the Q matrices (see
-        `worker_state`)."""
-        return [*self._q, *self._errors]
+        """Every replica's own error-feedback buffer, the Q matrices and the
+        update count (see `worker_state`)."""
+        return [*self._q, *self._errors, self._updates]
 
     def compressed_shapes(self, variables) -> list:
         """(m, n, rank) of every compressed gradient, for byte accounting."""

@@ -30,7 +30,7 @@ def check_options(sync, compression, *, allreduce_dtype=None) -> None:
 
 
 def make_reducer(strategy, variables, *, sync=None, compression=None,
-                 state_variables=(), communication_options=None,
+                 communication_options=None,
                  allreduce_dtype=None):
     """The reducer for these options (see `communication`).
 
@@ -39,8 +39,6 @@ def make_reducer(strategy, variables, *, sync=None, compression=None,
       variables: the trainable variables, in gradient order.
       sync: None or `LocalSGD`.
       compression: None or `PowerSGD`.
-      state_variables: the model's non-trainable variables (local SGD
-        averages them at each synchronisation).
       communication_options: for every all-reduce.
       allreduce_dtype: wire dtype of the synchronous all-reduce.
     """
@@ -51,7 +49,7 @@ def make_reducer(strategy, variables, *, sync=None, compression=None,
             communication_options=communication_options)
     if sync is not None and not sync.synchronous:
         return local_sgd.LocalSGDReducer(
-            strategy, variables, sync, state_variables=state_variables,
+            strategy, variables, sync,
             communication_options=communication_options)
     return communication.SynchronousReducer(
         strategy, communication_options=communication_options,

@@ -254,6 +254,9 @@ class TrainStep:
             loss = self._strategy.run(self._accumulate, args=(batch, loss))
         batch = next(iterator)
         self._equal_shares = _equal_shares(self._strategy, batch)
-        loss = self._strategy.run(self._update, args=(batch, loss))
+        # The reducer may trace the update more than once (PowerSGD's dense
+        # warm-up sits under a tf.cond around it).
+        loss = self.reducer.run_update(lambda: self._strategy.run(
+            self._update, args=(batch, loss)))
         self.reducer.after_update()
         return loss

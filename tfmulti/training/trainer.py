@@ -29,7 +29,6 @@ from tfmulti.training import data_checks
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption, reduction
-from tfmulti.training import replica_statistics
 from tfmulti.training import step as step_lib
 from tfmulti.training import worker_state as worker_state_lib
 from tfmulti.training import summaries
@@ -240,7 +239,6 @@ class Trainer:
         self._reducer = reduction.make_reducer(
             self.strategy, model.trainable_variables, sync=sync,
             compression=compression,
-            state_variables=replica_statistics.unsynchronized(model),
             communication_options=strategies.communication_options(
                 self.strategy),
             allreduce_dtype=allreduce_dtype)
@@ -715,8 +713,10 @@ class Trainer:
         # multi-device iterator while tracing got slower with every Trainer
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
         # A label or shape that does not fit the model is named, as in fit.
+        # Between local-SGD synchronisations: on the workers' mean weights.
         with watchdog.calling(self.strategy), data_checks.translated(
-                getattr(eval_data, "element_spec", None), arg="eval_data"):
+                getattr(eval_data, "element_spec", None), arg="eval_data"), \
+                self._reducer.evaluation_weights():
             self._eval_fn(iter(eval_data))
         if float(self._eval_loss.count.numpy()) == 0:
             raise ValueError(
