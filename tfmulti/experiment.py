@@ -34,8 +34,9 @@ RESUME_MUST_MATCH = (
     "loop", "dataset", "global_batch_size", "epochs", "steps",
     "learning_rate", "base_batch_size", "lr_scaling", "warmup_steps",
     "grad_accum_steps", "clip_global_norm", "mixed_precision",
-    "sync_batchnorm", "seed", "sync_every", "outer_learning_rate",
-    "outer_momentum", "compression", "powersgd_rank")
+    "sync_batchnorm", "seed", "sync_every", "sync_warmup_steps",
+    "outer_learning_rate", "outer_momentum", "compression", "powersgd_rank",
+    "powersgd_start_iter")
 
 
 class ConfigError(ValueError):
@@ -81,10 +82,12 @@ class ExperimentConfig:
     pipeline_stages: int = 1
     micro_batches: int = 1
     sync_every: int = 1
+    sync_warmup_steps: int = 0
     outer_learning_rate: float = 1.0
     outer_momentum: float = 0.0
     compression: str = "none"
     powersgd_rank: int = 4
+    powersgd_start_iter: int = 0
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -111,6 +114,18 @@ class ExperimentConfig:
             raise ConfigError(f"`compression` is {self.compression!r}; valid "
                               f"values are {list(COMPRESSIONS)}.",
                               flag="compression")
+        if self.sync_warmup_steps and self.sync_every == 1:
+            raise ConfigError(
+                f"`sync_warmup_steps`={self.sync_warmup_steps} warms up local "
+                "SGD, but `sync_every` is 1 (every update is synchronous). "
+                "Pass sync_every > 1, or leave sync_warmup_steps at 0.",
+                flag="sync_warmup_steps")
+        if self.powersgd_start_iter and self.compression != "powersgd":
+            raise ConfigError(
+                f"`powersgd_start_iter`={self.powersgd_start_iter} delays "
+                "PowerSGD, but `compression` is "
+                f"{self.compression!r}. Pass compression=powersgd, or leave "
+                "powersgd_start_iter at 0.", flag="powersgd_start_iter")
         if (self.sync_every, self.outer_learning_rate, self.outer_momentum,
                 self.compression) != (1, 1.0, 0.0, "none"):
             # Built here so that bad values fail before any training; only
@@ -136,8 +151,10 @@ class ExperimentConfig:
         sync = None
         if self.sync_every != 1 or outer is not None:
             sync = local_sgd.LocalSGD(every=self.sync_every,
-                                      outer_optimizer=outer)
-        compression = powersgd.PowerSGD(rank=self.powersgd_rank) if (
+                                      outer_optimizer=outer,
+                                      warmup_steps=self.sync_warmup_steps)
+        compression = powersgd.PowerSGD(
+            rank=self.powersgd_rank, start_iter=self.powersgd_start_iter) if (
             self.compression == "powersgd") else None
         reduction.check_options(sync, compression,
                                 allreduce_dtype=self.allreduce_dtype)

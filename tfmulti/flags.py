@@ -112,6 +112,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("sync_every", 1, "Local SGD: workers average their "
                          "weights every this many updates (1: every update, "
                          "synchronous).", lower_bound=1, **fv)
+    flags.DEFINE_integer("sync_warmup_steps", 0, "Local SGD: synchronous "
+                         "updates before the workers start to step apart "
+                         "(post-local SGD).", lower_bound=0, **fv)
     flags.DEFINE_float("outer_learning_rate", 1.0, "DiLoCo outer learning "
                        "rate on the averaged delta (1 with momentum 0: plain "
                        "averaging).", **fv)
@@ -121,6 +124,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "Gradient compression: PowerSGD or none.", **fv)
     flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD rank.",
                          lower_bound=1, **fv)
+    flags.DEFINE_integer("powersgd_start_iter", 0, "PowerSGD: dense "
+                         "(uncompressed) updates before compression starts, "
+                         "as PyTorch's start_powerSGD_iter.", lower_bound=0,
+                         **fv)
 
 
 def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
@@ -145,9 +152,11 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         sync_batchnorm=f.sync_batchnorm, steps_per_loop=f.steps_per_loop,
         model_dir=f.model_dir, resume=f.resume, seed=f.seed,
         pipeline_stages=f.pipeline_stages, micro_batches=f.micro_batches,
-        sync_every=f.sync_every, outer_learning_rate=f.outer_learning_rate,
+        sync_every=f.sync_every, sync_warmup_steps=f.sync_warmup_steps,
+        outer_learning_rate=f.outer_learning_rate,
         outer_momentum=f.outer_momentum, compression=f.compression,
-        powersgd_rank=f.powersgd_rank)
+        powersgd_rank=f.powersgd_rank,
+        powersgd_start_iter=f.powersgd_start_iter)
 
 
 def _usage_error(message: str, flag: str | None = None,
