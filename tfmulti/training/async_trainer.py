@@ -195,6 +195,8 @@ class ClosureLedger:
                 marks = [self.claimed.scatter_nd_add([[closure_id]], [take]),
                          self.steps.assign_add(tf.cast(take, tf.int64),
                                                read_value=False)]
+                # The branch waits for the predicate, so for the marks:
+                # the claim is set before any write of the update.
                 with tf.control_dependencies(marks):
                     fresh = tf.identity(fresh)
 
