@@ -17,6 +17,7 @@ import time
 
 CONFIGS = ("sync", "local_sgd_h8", "local_sgd_h8_w32", "local_sgd_h32",
            "diloco_h32", "powersgd_r1", "powersgd_r4", "powersgd_r4_w16")
+OPTIMIZERS = ("adam", "sgd_momentum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,9 @@ class Settings:
         2e-3 left even synchronous training stuck at chance in some runs
         (test loss ln 10 after 96 steps) and not in others, so one run
         could not compare the methods; 1e-3 trains every configuration.
+      optimizer: "adam" (the bench's default), or "sgd_momentum" (SGD with
+        momentum 0.9 at `learning_rate`: the setting PowerSGD was designed
+        and tuned for).
       data_dir: TFDS data dir holding `tfmulti_shapes`.
       configs: which of `CONFIGS` to run.
       seeds: one training per configuration and seed (the model's initial
@@ -42,6 +46,7 @@ class Settings:
     steps: int = 624
     global_batch_size: int = 64
     learning_rate: float = 1e-3
+    optimizer: str = "adam"
     data_dir: str | None = None
     configs: tuple = CONFIGS
     seeds: tuple = (0,)
@@ -53,6 +58,9 @@ class Settings:
                     value < 1):
                 raise ValueError(f"`{name}` should be an int >= 1, got "
                                  f"{value!r}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"`optimizer` is {self.optimizer!r}; choose "
+                             f"from {list(OPTIMIZERS)}.")
         unknown = set(self.configs) - set(CONFIGS)
         if unknown:
             raise ValueError(f"`configs` has unknown entries "
@@ -129,7 +137,9 @@ def _train(name, seed, settings, strategy, info, train_fn, test) -> dict:
         keras.utils.set_random_seed(seed)
         model = models.small_cnn(info.features["image"].shape,
                                  info.features["label"].num_classes)
-        optimizer = keras.optimizers.Adam(settings.learning_rate)
+        optimizer = keras.optimizers.Adam(settings.learning_rate) if (
+            settings.optimizer == "adam") else keras.optimizers.SGD(
+                settings.learning_rate, momentum=0.9)
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
     trainer = tfmulti.Trainer(
         model, optimizer, strategy=strategy, sync=sync,
