@@ -155,8 +155,9 @@ class ClosureLedger:
             self.claimed = counter("closure_claimed")
             self.completed = counter("closure_completed")
         with tf.device(self.claimed.device):
-            # A mutex on the ps: the check and the mark of a claim are one
-            # step (a retry arriving meanwhile waits, then sees the mark).
+            # A mutex on the ps: claim, update and completed mark of one
+            # closure are one step (a retry arriving meanwhile waits, then
+            # sees the claim), and the updates are serialised.
             self._lock = tf.CriticalSection(name="closure_ledger")
 
     def count_attempt(self, closure_id):

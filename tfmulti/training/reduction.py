@@ -30,8 +30,7 @@ def check_options(sync, compression, *, allreduce_dtype=None) -> None:
 
 
 def make_reducer(strategy, variables, *, sync=None, compression=None,
-                 communication_options=None,
-                 allreduce_dtype=None):
+                 communication_options=None, allreduce_dtype=None):
     """The reducer for these options (see `communication`).
 
     Args:

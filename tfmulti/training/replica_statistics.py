@@ -74,8 +74,8 @@ def averaged_after(train_step):
     replica context on two or more replicas: `compat.check_keras_step`
     wraps it only then), followed by the average of the model's
     unsynchronized variables: every step, as the step is all tfmulti sees
-    of plain `fit`. Automatic control dependencies read each variable after the step's own
-    update of it."""
+    of plain `fit`. Automatic control dependencies read each variable after
+    the step's own update of it."""
     model = train_step.__self__
 
     @functools.wraps(train_step)
