@@ -81,6 +81,7 @@ def test_layout(runs):
     ("local_path_h1", "sync_sgd", LOCAL_SGD_TOLERANCE),
     ("powersgd_full_clip_accum", "sync_clip_accum", POWERSGD_TOLERANCE),
     ("keras_powersgd_full", "keras_sync", POWERSGD_TOLERANCE),
+    ("keras_powersgd_full_start3", "keras_sync", POWERSGD_TOLERANCE),
     ("local_path_h1_bn", "sync_sgd_bn", LOCAL_SGD_TOLERANCE),
 ])
 def test_equals_synchronous(runs, case, golden, tolerance):
@@ -168,11 +169,14 @@ def test_local_sgd_is_not_synchronous_and_workers_agree_at_sync(runs):
 
 
 @pytest.mark.slow
-def test_evaluation_between_syncs_reads_mean_weights(runs):
+@pytest.mark.parametrize("case", ["diloco_h4", "keras_diloco_h4"])
+def test_evaluation_between_syncs_reads_mean_weights(runs, case):
     # DiLoCo (warm-up 2, H=4) last synchronised at update 6 of 8: the
-    # workers' weights differ, and evaluation reads their mean, computed
-    # here from both workers' weights, on the 100 evaluation examples.
-    first, second = (run["diloco_h4"] for run in runs)
+    # workers' weights differ, and evaluation (the Trainer's, or Keras's
+    # through `tfmulti.keras.distributed`) reads their mean, computed here
+    # from both workers' weights, on the 100 evaluation examples.
+    first, second = (run[case] for run in runs)
+    assert max_diff(dict(first, loss=[0]), dict(second, loss=[0])) > 1e-4
     mean = [(np.array(a) + np.array(b)) / 2
             for a, b in zip(first["weights"], second["weights"])]
     # The worker's data (tests/workers/communication_golden.py).
@@ -241,6 +245,19 @@ def test_powersgd_bytes(runs):
         assert traffic["inter_worker_bytes"] == traffic["all_reduce_bytes"]
         # Both matrices compress at rank 1: 62 floats instead of 195.
         assert expected < dense / 3
+        # Keras fit's warm-up switches at the same update: 3 dense, then 5
+        # full-rank compressed updates (every matrix, at rank min(m, n)).
+        full = tfmulti.PowerSGD(rank=16, min_compression_rate=0.01)
+        compressed = 0
+        for shape in warm["shapes"]:
+            if powersgd.compresses(shape, full):
+                m, n = powersgd.matrix_shape(shape)
+                compressed += 4 * (m + n) * min(16, m, n)
+            else:
+                compressed += 4 * int(np.prod(shape))
+        traffic = run["keras_powersgd_full_start3"]["communication"]
+        assert traffic["all_reduce_calls"] == 3 * 1 + 5 * 2
+        assert traffic["all_reduce_bytes"] == 3 * dense + 5 * compressed
 
 
 def test_options_validated():

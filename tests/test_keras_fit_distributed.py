@@ -51,10 +51,12 @@ def test_mirrored_fit_matches_one_device(local, case):
 def test_mirrored_evaluate_and_predict_match_one_device(local):
     run, golden = local["mirrored4"]["sgd_momentum"], local["one_device"][
         "sgd_momentum"]
-    assert run["eval"].keys() == golden["eval"].keys()
-    for key in golden["eval"]:
-        np.testing.assert_allclose(run["eval"][key], golden["eval"][key],
-                                   atol=TOLERANCE)
+    for evaluation in ("eval", "eval_stream"):
+        assert run[evaluation].keys() == golden[evaluation].keys()
+        for key in golden[evaluation]:
+            np.testing.assert_allclose(run[evaluation][key],
+                                       golden[evaluation][key],
+                                       atol=TOLERANCE, err_msg=evaluation)
     np.testing.assert_allclose(run["predict"], golden["predict"],
                                atol=TOLERANCE)
 
@@ -75,6 +77,8 @@ def test_two_worker_fit_matches_one_device(tmp_path, local):
         np.testing.assert_allclose(results["sgd_momentum"]["predict"],
                                    golden["sgd_momentum"]["predict"],
                                    atol=TOLERANCE)
-        for key, value in golden["sgd_momentum"]["eval"].items():
-            np.testing.assert_allclose(
-                results["sgd_momentum"]["eval"][key], value, atol=TOLERANCE)
+        for evaluation in ("eval", "eval_stream"):
+            for key, value in golden["sgd_momentum"][evaluation].items():
+                np.testing.assert_allclose(
+                    results["sgd_momentum"][evaluation][key], value,
+                    atol=TOLERANCE, err_msg=evaluation)

@@ -130,8 +130,9 @@ def result(model, trainer, history):
             "communication": trainer.communication}
 
 
-def keras_fit(kwargs):
-    """`tfmulti.keras.distributed` fit with the same data and steps."""
+def keras_fit(kwargs, evaluate=False):
+    """`tfmulti.keras.distributed` fit with the same data and steps; with
+    `evaluate`, then its `evaluate` on the evaluation examples."""
     model, optimizer = build(ADAM)
     with strategy.scope():
         model.compile(optimizer=optimizer, steps_per_execution=4,
@@ -140,9 +141,25 @@ def keras_fit(kwargs):
     tfmulti.keras.distributed(model, **kwargs)
     model.fit(strategy.experimental_distribute_dataset(dataset()),
               epochs=1, steps_per_epoch=STEPS, verbose=0)
-    return {"weights": [w.tolist() for w in model.get_weights()],
-            "loss": [0.0],
-            "communication": tfmulti.keras.communication(model)}
+    out = {"weights": [w.tolist() for w in model.get_weights()],
+           "loss": [0.0], "shapes": [list(v.shape)
+                                     for v in model.trainable_variables],
+           "communication": tfmulti.keras.communication(model)}
+    if evaluate:
+        out["evaluation"] = model.evaluate(
+            evaluation_data(), verbose=0, return_dict=True)
+        out["weights_after_evaluation"] = [w.tolist()
+                                           for w in model.get_weights()]
+        out["communication_after_evaluation"] = tfmulti.keras.communication(
+            model)
+    return out
+
+
+def evaluation_data():
+    """The first `EVAL` examples, each read once over all replicas."""
+    return tfmulti.distribute_dataset(
+        strategy, lambda _: tf.data.Dataset.from_tensor_slices(
+            (X[:EVAL], Y[:EVAL])), global_batch_size=BATCH, training=False)
 
 
 class KillAfter(keras.callbacks.Callback):
@@ -254,20 +271,23 @@ elif MODE == "multi_worker":
             # evaluation reads the workers' mean weights, then puts this
             # worker's back.
             results[name]["evaluation"] = trainer.evaluate(
-                tfmulti.distribute_dataset(
-                    strategy, lambda _: tf.data.Dataset.from_tensor_slices(
-                        (X[:EVAL], Y[:EVAL])), global_batch_size=BATCH,
-                    training=False))
+                evaluation_data())
             results[name]["weights_after_evaluation"] = [
                 w.tolist() for w in model.get_weights()]
             results[name]["communication_after_evaluation"] = (
                 trainer.communication)
-    for name, kwargs in {"keras_sync": {}, "keras_powersgd_full": {
-            "compression": FULL_RANK}, "keras_local_h4": {
-                "sync": tfmulti.LocalSGD(every=4)}}.items():
+    for name, kwargs in {
+            "keras_sync": {},
+            "keras_powersgd_full": {"compression": FULL_RANK},
+            # The dense warm-up's tf.cond inside Keras's train function.
+            "keras_powersgd_full_start3": {"compression": dataclasses.replace(
+                FULL_RANK, start_iter=3)},
+            "keras_local_h4": {"sync": tfmulti.LocalSGD(every=4)},
+            "keras_diloco_h4": {"sync": CASES["diloco_h4"][1]["sync"]}
+    }.items():
         gc.collect()
         gc.freeze()
-        results[name] = keras_fit(kwargs)
+        results[name] = keras_fit(kwargs, evaluate=name == "keras_diloco_h4")
     for name, case in RESUMED.items():
         model, trainer = trainer_for(*case)
         results["uninterrupted_" + name] = result(

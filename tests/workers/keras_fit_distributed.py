@@ -121,6 +121,16 @@ def run_case(strategy, case, golden):
     if case == "sgd_momentum":
         result["eval"] = model.evaluate(padded_eval_dataset(), verbose=0,
                                         return_dict=True)
+        # The user's one-device evaluation (a partial last batch) against
+        # tfmulti's exact-once stream, padded differently per layout.
+        stream = tf.data.Dataset.from_tensor_slices(
+            (X_EVAL, Y_EVAL)).batch(BATCH) if golden else (
+                tfmulti.distribute_dataset(
+                    strategy, lambda _: tf.data.Dataset.from_tensor_slices(
+                        (X_EVAL, Y_EVAL)), global_batch_size=BATCH,
+                    training=False))
+        result["eval_stream"] = model.evaluate(stream, verbose=0,
+                                               return_dict=True)
         result["predict"] = model.predict(
             tf.data.Dataset.from_tensor_slices(X_EVAL[:96]).batch(BATCH),
             verbose=0).tolist()

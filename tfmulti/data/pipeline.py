@@ -348,8 +348,10 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         number of replicas in sync.
       training: True for an infinite, shuffled stream of full batches (pass
         `steps_per_epoch` to Keras `fit`); False for one exact-once pass
-        with `(features, label, sample_weight)` batches (use
-        `weighted_metrics` in Keras `compile` so padding does not count).
+        with `(features, label, sample_weight)` batches, the weight 0 on
+        padding (in Keras `compile`, use `weighted_metrics` so padding does
+        not count; the `loss` of `tfmulti.keras.distributed`'s `evaluate`
+        leaves it out itself).
       shuffle_buffer: elements in the shuffle buffer; None is automatic, 0
         turns shuffling off.
       seed: shuffle seed (None: random).
@@ -383,4 +385,16 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     if training:
         return finiteness.mark_endless(distributed)
     compat.set_global_steps(distributed, strategy)
+    setattr(distributed, _PADDING_MASK, True)
     return distributed
+
+
+# Marks the evaluation stream of `distribute_dataset`, whose sample weights
+# are the padding mask and not a user's weights.
+_PADDING_MASK = "_tfmulti_padding_mask"
+
+
+def has_padding_mask(data) -> bool:
+    """Whether `data` is an evaluation stream of `distribute_dataset`: its
+    sample weights are 1 for a real example and 0 for padding."""
+    return getattr(data, _PADDING_MASK, False)

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.data import finiteness
+from tfmulti.data import pipeline
 from tfmulti.training import agreement
 from tfmulti.training import communication as communication_lib
 from tfmulti.training import data_checks
@@ -114,6 +115,9 @@ class _State:
         # (Keras would report a loss of 0.0).
         self.eval_arg = "x"
         self.eval_batches = 0
+        # Whether that argument's weights are `distribute_dataset`'s
+        # padding mask (the loss then leaves padding out).
+        self.eval_masked = False
         # Extra keys of an overridden `compute_metrics` (a `_Logs`).
         self.train_extras = None
         self.warned_weighting = False
@@ -417,13 +421,17 @@ def _make_test_function(model, force=False):
     state = getattr(model, _STATE)
     state.test_logs = None
 
-    def test_step(batch):
-        logs = model.test_step(batch)
+    def test_step(batch, masked):
+        if masked and len(batch) == 3 and not (
+                _overrides(model, "test_step") or
+                _overrides(model, "compute_loss")):
+            logs = _masked_test_step(model, batch)
+        else:
+            logs = model.test_step(batch)
         if state.test_logs is not None:
             state.test_logs.capture(logs, batch)
 
-    @tf.function
-    def run(iterator, num_steps):
+    def run(iterator, num_steps, masked):
         done = tf.constant(0)
         for _ in tf.range(num_steps):
             # No sync point in the test step (metrics are summed on read),
@@ -432,9 +440,13 @@ def _make_test_function(model, force=False):
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
                 break
-            strategy.run(test_step, args=(batch.get_value(),))
+            strategy.run(test_step, args=(batch.get_value(), masked))
             done += 1
         return done
+
+    # One trace for a stream whose weights mask padding, one for the rest.
+    runs = {masked: tf.function(functools.partial(run, masked=masked))
+            for masked in (False, True)}
 
     results = _metrics_function(model)
     custom_read = None
@@ -455,7 +467,7 @@ def _make_test_function(model, force=False):
         steps = int(model.steps_per_execution)
         with watchdog.calling(strategy), data_checks.translated(
                 iterator.element_spec, arg=state.eval_arg):
-            done = run(iterator, tf.constant(steps))
+            done = runs[state.eval_masked](iterator, tf.constant(steps))
         state.eval_batches += int(done)
         if int(done) < steps:
             # The end of the data: Keras's loop stops on this flag. A
@@ -468,6 +480,43 @@ def _make_test_function(model, force=False):
 
     model.test_function = test_function
     return test_function
+
+
+def _masked_test_step(model, batch):
+    """Keras's `test_step` on an evaluation stream of
+    `tfmulti.distribute_dataset`, whose weights are 1 on real examples and
+    0 on padding: the loss is averaged over the real examples only.
+
+    Keras's 'sum_over_batch_size' divides the weighted sum by all the rows,
+    padding included, and tracks the loss with the row count as its weight,
+    so padding would pull the loss towards 0 by an amount that depends on
+    the number of replicas. Here the weights are scaled to sum to the rows
+    (the batch's loss is the mean over its real examples) and the loss is
+    tracked with the real count. Metrics get the mask as their weights, as
+    in Keras.
+    """
+    x, y, mask = batch
+    if compat.call_has_training_arg(model):
+        y_pred = model(x, training=False)
+    else:
+        y_pred = model(x)
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is not None and not compiled.built:
+        # As its first call would; `_loss_reduction` reads what it built.
+        compiled.build(y, y_pred)
+    rows = tf.cast(tf.shape(step_lib.first_tensor(x))[0], mask.dtype)
+    real = tf.reduce_sum(mask)
+    weights, count = mask, rows
+    if _loss_reduction(model) == "sum_over_batch_size":
+        weights, count = mask * tf.math.divide_no_nan(rows, real), real
+    loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                               sample_weight=weights, training=False)
+    # Keras's loss carries a 1/replicas scale under a strategy; its own
+    # `test_step` tracks it without.
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    compat.loss_tracker(model).update_state(
+        loss * tf.cast(replicas, loss.dtype), sample_weight=count)
+    return model.compute_metrics(x, y, y_pred, sample_weight=mask)
 
 
 def _spec_batch(element_spec):
@@ -574,6 +623,7 @@ def _evaluate(model, x=None, *args, **kwargs):
         data_checks.check_not_empty(x, arg=state.eval_arg,
                                     purpose="evaluate")
     state.eval_batches = 0
+    state.eval_masked = pipeline.has_padding_mask(x)
     # Between local-SGD synchronisations: on the workers' mean weights.
     with (state.reducer.evaluation_weights() if state.reducer is not None
           else contextlib.nullcontext()):
