@@ -114,17 +114,10 @@ CASES = {
         four, jit_compile=True, grad_accum_steps=2),
     # PowerSGD's dense warm-up (a tf.cond around the step's strategy.run)
     # with XLA replica steps: at full rank (64 >= min(m, n) of every
-    # matrix) it is the synchronous update; at rank 1 it equals the same
-    # run without XLA.
+    # matrix) it is the synchronous update.
     "trainer_mirrored4_xla_powersgd_full_start3": lambda: trainer_run(
         four, jit_compile=True, compression=tfmulti.PowerSGD(
             rank=64, min_compression_rate=0.01, start_iter=3)),
-    "trainer_mirrored4_powersgd_r1_start3": lambda: trainer_run(
-        four, jit_compile=False, compression=tfmulti.PowerSGD(
-            rank=1, start_iter=3)),
-    "trainer_mirrored4_xla_powersgd_r1_start3": lambda: trainer_run(
-        four, jit_compile=True, compression=tfmulti.PowerSGD(
-            rank=1, start_iter=3)),
     "keras_one_device": lambda: fit_run(one, tfmulti_fit=False),
     # Two fit calls of one epoch on the same dataset: XLA, and the kept
     # iterator, against plain Keras fitting two epochs in one call.
