@@ -41,10 +41,10 @@ MODES = {
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 4},
         "soak": {"seconds": 300, "interval": 10},
         "pipeline_bubble": {"stages": (2, 4)},
-        # Full bench only: eight trainings of 2 epochs on 2 workers x 2
-        # replicas per seed (about 10 minutes per seed on 2 busy cores;
-        # --seeds adds seeds).
-        "communication_reduction": {"steps": 624, "global_batch_size": 64},
+        # Full bench only: eight trainings of 4 epochs on 2 workers x 2
+        # replicas per seed (about 20 minutes per seed on 2 cores; --seeds
+        # adds seeds).
+        "communication_reduction": {"steps": 1248, "global_batch_size": 64},
     },
     "quick": {
         "replicas": (1, 4),
