@@ -234,29 +234,34 @@ class LocalSGDReducer(communication.Reducer):
         self._updates.assign_add(1)
         updates = self._updates.read_value()
         replicas = self._strategy.num_replicas_in_sync
-        if self._workers == 1:
-            # One worker: its all-reduce is the whole reduction; there is
-            # nothing to average between workers.
+        inter_worker = self._workers > 1
+        if not inter_worker:
+            # One worker: its all-reduce is the whole reduction. Averaging
+            # one worker's weights changes nothing, but DiLoCo's outer step
+            # from the anchor still applies (the paper's k=1).
             if replicas > 1:
                 self.traffic.add(1, self._traced_local_bytes,
                                  inter_worker=False)
-            return
-        if options.warmup_steps:
-            warm = updates <= options.warmup_steps
-            self.traffic.add(tf.where(warm, 1, 0), tf.where(
-                warm, self._traced_warm_bytes, 0), inter_worker=True)
-            local_calls = tf.where(warm, 0, 1)
+            if options.outer_optimizer is None:
+                return
         else:
-            local_calls = tf.constant(1)
-        if self._local_replicas > 1:
-            self.traffic.add(local_calls,
-                             local_calls * self._traced_local_bytes,
-                             inter_worker=False)
+            if options.warmup_steps:
+                warm = updates <= options.warmup_steps
+                self.traffic.add(tf.where(warm, 1, 0), tf.where(
+                    warm, self._traced_warm_bytes, 0), inter_worker=True)
+                local_calls = tf.where(warm, 0, 1)
+            else:
+                local_calls = tf.constant(1)
+            if self._local_replicas > 1:
+                self.traffic.add(local_calls,
+                                 local_calls * self._traced_local_bytes,
+                                 inter_worker=False)
         sync_bytes = communication.payload_bytes(self._variables)
 
         def sync():
             self._run(self._replica_sync)
-            self.traffic.add(1, sync_bytes, inter_worker=True)
+            if replicas > 1:
+                self.traffic.add(1, sync_bytes, inter_worker=inter_worker)
             return tf.constant(0, tf.int32)
 
         tf.cond(self._sync_due(updates), sync,
