@@ -171,6 +171,23 @@ def test_local_sgd_workers_apart_between_synchronisations(runs):
     assert max_difference(first, [np.array(w) for w in second]) > DIFFERENT
 
 
+@pytest.mark.slow
+def test_diloco_on_one_worker_stays_on_the_worker(runs):
+    """One worker: DiLoCo's outer step (above: equal to the reference's
+    k=1) all-reduces the deltas over the local replicas after updates 6,
+    10, ..., 22 (warm-up 2, H=4), besides the 24 gradient all-reduces;
+    nothing goes between workers."""
+    traffic = runs["mirrored"][0]["diloco_h4_momentum_warmup2"][
+        "communication"]
+    parameters = sum(np.size(w) for w in runs["mirrored"][0]["initial"])
+    gradients = runs["mirrored"][0]["local_h4_adam_warmup2"]["communication"]
+    assert gradients["all_reduce_calls"] == 24
+    assert traffic["all_reduce_calls"] == 24 + 5
+    assert traffic["all_reduce_bytes"] == gradients["all_reduce_bytes"] + (
+        5 * 4 * parameters)
+    assert traffic["inter_worker_calls"] == traffic["inter_worker_bytes"] == 0
+
+
 def test_reference_gradient_is_the_derivative():
     """The reference's backward pass against central differences."""
     rng = np.random.default_rng(1)

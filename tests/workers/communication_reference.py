@@ -163,6 +163,7 @@ def run(make_optimizer, kwargs):
     out.update(
         loss=[float(v) for v in history["step_loss"]],
         weights=[w.tolist() for w in model.get_weights()],
+        communication=trainer.communication,
         replicas_equal=all(np.array_equal(r[0], other)
                            for r in replicas for other in r[1:]))
     return out
