@@ -17,7 +17,9 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -338,7 +340,9 @@ def is_keras_train_step(fn) -> bool:
             isinstance(model, keras.Model))
 
 
-_warned_custom_step = set()
+# Models (weakly held: a new model may reuse a freed one's id) already
+# warned about their custom `train_step`'s logged loss.
+_warned_custom_step = weakref.WeakSet()
 
 
 def check_keras_step(strategy, fn, args):
@@ -364,12 +368,16 @@ def check_keras_step(strategy, fn, args):
             "with XLA, which cannot reach the other replicas' variables. "
             "Compile with jit_compile=False, or call "
             "tfmulti.keras.distributed(model) after compile.")
-    if getattr(type(model), fn.__name__) is not getattr(
-            keras.Model, fn.__name__) and id(model) not in _warned_custom_step:
+    overridden = getattr(type(model), fn.__name__) is not getattr(
+        keras.Model, fn.__name__)
+    if overridden and fn.__name__ == "test_step":
+        # Its losses are only logged, never differentiated: as on one device.
+        return losses_unscaled_in(fn)
+    if overridden and model not in _warned_custom_step:
         # Keras losses under a strategy return each replica's mean / N
         # (`scale_loss_for_distribution`); the keras-io guide's custom
         # `train_step` logs that value with `metric.update_state(loss)`.
-        _warned_custom_step.add(id(model))
+        _warned_custom_step.add(model)
         warnings.warn(
             f"tfmulti: {type(model).__name__} overrides `{fn.__name__}`. "
             f"Under a strategy with {n} replicas a Keras loss (and "
@@ -561,3 +569,76 @@ def set_global_steps(distributed_dataset, strategy) -> None:
     replicas_here = len(strategy.extended.worker_devices)
     if per_worker >= 0 and replicas_here > 1:
         distributed_dataset._cardinality = per_worker // replicas_here
+
+
+# --- Keras losses are scaled by 1/replicas in a custom `test_step` too ------
+# Symptom: keras-io "Customizing what happens in fit() with TensorFlow",
+# "Providing your own evaluation step": the guide's `test_step` logs
+# `self.compute_loss(...)` with `metric.update_state(loss)`; under a
+# strategy with N replicas `keras/src/losses/loss.py` `reduce_values` (and
+# the TF trainer's `_aggregate_additional_loss`) multiply every loss by 1/N
+# (`scale_loss_for_distribution`), which only the summed GRADIENT needs, so
+# `evaluate` reports 1/N of one device's loss (0.556 for 2.226 on 4
+# replicas), silently. Keras's own `test_step` undoes the scale with
+# `unscale_loss_for_distribution`. Checked: Keras 3.15.1.
+# Workaround: while a custom `test_step` runs (traced) under tfmulti's
+# strategies or `tfmulti.keras.distributed`, both functions are the
+# identity, so its losses are what one device computes. Guard: the stock
+# scale, test_compat.py (keras_loss_scales_by_replicas); the stock guide's
+# 1/N, tests/conformance/test_conformance.py::test_stock_guide_test_step_
+# loss_still_scaled; these names, test_keras_fit_local.py::
+# test_loss_scaling_functions_still_exist.
+_LOSS_SCALE_FUNCTIONS = ("scale_loss_for_distribution",
+                         "unscale_loss_for_distribution")
+_unscaled_lock = threading.Lock()
+_unscaled_depth = 0
+_scaled_originals = {}
+
+
+def _identity(value):
+    return value
+
+
+def _loss_module():
+    from keras.src.losses import loss as loss_module
+    missing = [n for n in _LOSS_SCALE_FUNCTIONS
+               if not callable(getattr(loss_module, n, None))]
+    if missing:
+        raise RuntimeError(
+            f"keras.src.losses.loss has no {missing}: this Keras "
+            f"({keras.__version__}) changed how it scales losses for "
+            "replicas, and tfmulti cannot report a custom test_step's loss "
+            "as one device does. Use keras 3.15.")
+    return loss_module
+
+
+@contextlib.contextmanager
+def unscaled_keras_losses():
+    """Keras losses computed inside are not scaled for replicas (re-entrant,
+    and shared by the replica threads of one `strategy.run`)."""
+    global _unscaled_depth
+    module = _loss_module()
+    with _unscaled_lock:
+        if _unscaled_depth == 0:
+            for name in _LOSS_SCALE_FUNCTIONS:
+                _scaled_originals[name] = getattr(module, name)
+                setattr(module, name, _identity)
+        _unscaled_depth += 1
+    try:
+        yield
+    finally:
+        with _unscaled_lock:
+            _unscaled_depth -= 1
+            if _unscaled_depth == 0:
+                for name in _LOSS_SCALE_FUNCTIONS:
+                    setattr(module, name, _scaled_originals.pop(name))
+
+
+def losses_unscaled_in(fn):
+    """`fn` (a step that computes losses only to log them) run inside
+    `unscaled_keras_losses`."""
+    def unscaled(*args, **kwargs):
+        with unscaled_keras_losses():
+            return fn(*args, **kwargs)
+    unscaled.__name__ = getattr(fn, "__name__", "unscaled")
+    return unscaled

@@ -534,13 +534,13 @@ class GuideModel4(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
-def _guide_custom_fit(layout, number):
+def _guide_custom_fit(layout, number, how="plain", make_strategy=None):
     rng = np.random.default_rng(number)
     x = rng.random((256, 32))
     y = rng.random((256, 1))
     sw = rng.random((256, 1))
     keras.utils.set_random_seed(1)
-    with strategy(layout).scope():
+    with (make_strategy or strategy)(layout).scope():
         inputs = keras.Input(shape=(32,))
         outputs = keras.layers.Dense(1)(inputs)
         cls = [GuideModel1, GuideModel2, GuideModel3, GuideModel4][number - 1]
@@ -551,6 +551,8 @@ def _guide_custom_fit(layout, number):
             model.compile(loss="mse", metrics=["mae"])
         else:
             model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    if how == "distributed":
+        tfmulti.keras.distributed(model)
     if number == 4:
         return {"eval": model.evaluate(x, y, verbose=0, return_dict=True)}
     kwargs = {"sample_weight": sw} if number == 3 else {}
@@ -560,8 +562,12 @@ def _guide_custom_fit(layout, number):
 
 @case
 def keras_guide_custom_fit():
-    return {layout: {f"model{n}": caught(lambda: _guide_custom_fit(layout, n))
-                     for n in (1, 2, 3, 4)} for layout in ("one", "m4")}
+    out = {layout: {f"model{n}": caught(lambda: _guide_custom_fit(layout, n))
+                    for n in (1, 2, 3, 4)} for layout in ("one", "m4")}
+    # "Providing your own evaluation step" through `distributed` too.
+    out["m4"]["model4_distributed"] = caught(
+        lambda: _guide_custom_fit("m4", 4, "distributed"))
+    return out
 
 
 # -- plain Keras evaluate on an exact-once distributed dataset --------------
@@ -849,8 +855,16 @@ def guards():
             model.compile(keras.optimizers.SGD(0.1), sce())
         model.fit(tf.data.Dataset.from_tensors((x[:64], y[:64])), verbose=0)
 
+    def guide_test_step():
+        # "Providing your own evaluation step" on a stock MirroredStrategy.
+        return _guide_custom_fit("m4", 4, make_strategy=lambda _: (
+            _stock_mirrored(4)))["eval"]
+
     return {"lazy_optimizer": caught(lazy_optimizer),
-            "first_batch_build": caught(first_batch_build)}
+            "first_batch_build": caught(first_batch_build),
+            "guide_test_step": caught(guide_test_step),
+            "guide_test_step_golden": caught(
+                lambda: _guide_custom_fit("one", 4)["eval"])}
 
 
 def main():

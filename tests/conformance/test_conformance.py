@@ -85,6 +85,15 @@ def test_keras_guide_customizing_fit(local, number):
     run = ok(node)
     assert_close(run, golden, keys=("weights",))
     key = "history" if number < 4 else "eval"
+    if number == 4:
+        # "Providing your own evaluation step": its `test_step` logs
+        # `self.compute_loss(...)`, which tfmulti's strategies and
+        # `distributed` leave unscaled in a test step, so `evaluate` equals
+        # one device, plain and through `distributed`, without a warning.
+        for run in (node, cases["m4"]["model4_distributed"]):
+            assert_close(ok(run), golden, keys=("eval",))
+            assert not run["warnings"], run["warnings"]
+        return
     for name in golden[key]:
         if name == "loss":
             # The guide logs `self.compute_loss(...)` / `self.loss_fn(...)`,
@@ -309,6 +318,16 @@ def test_stock_mirrored_tutorial_still_fails(local):
     # compat.bind_collective_keys_at_trace_time
     text = error_of(local["guards"]["lazy_optimizer"])
     assert "You must feed a value for placeholder tensor" in text
+
+
+@pytest.mark.slow
+def test_stock_guide_test_step_loss_still_scaled(local):
+    # compat.unscaled_keras_losses: the guide's `test_step` on a stock
+    # MirroredStrategy of 4 reports 1/4 of one device's loss.
+    stock = ok(local["guards"]["guide_test_step"])
+    golden = ok(local["guards"]["guide_test_step_golden"])
+    np.testing.assert_allclose(stock["loss"] * 4, golden["loss"], rtol=1e-5)
+    np.testing.assert_allclose(stock["mae"], golden["mae"], atol=TOLERANCE)
 
 
 @pytest.mark.slow
