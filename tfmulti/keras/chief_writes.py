@@ -84,6 +84,14 @@ def _is_local(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and "://" not in str(path)
 
 
+def _private(path, cluster) -> bool:
+    """Whether `path` is in this worker's temporary directory already (a
+    non-chief's path from `tfmulti.keras.callbacks`)."""
+    suffix = f"-worker{cluster.worker_rank}"
+    return any(part.startswith("tfmulti-") and part.endswith(suffix)
+               for part in os.path.abspath(os.fspath(path)).split(os.sep))
+
+
 # -- model.save / save_weights / export ---------------------------------------
 
 def _model_write(name, original, model, filepath=None, *args, **kwargs):
@@ -91,6 +99,8 @@ def _model_write(name, original, model, filepath=None, *args, **kwargs):
     if cluster is None or not _is_local(filepath):
         return original(model, filepath, *args, **kwargs)
     path = os.path.abspath(os.fspath(filepath))
+    if not cluster.is_chief and _private(path, cluster):
+        return original(model, filepath, *args, **kwargs)
     if not cluster.is_chief:
         directory = _temp_dir(path, cluster)
         try:
@@ -200,8 +210,9 @@ def _callback_list_hook(name, original, callback_list, *args, **kwargs):
         # before the first step (`fit` makes the list, then trains).
         if not cluster.is_chief:
             for callback, names in writers:
-                if isinstance(getattr(callback, names[0], None),
-                              (str, os.PathLike)):
+                root = getattr(callback, names[0], None)
+                if isinstance(root, (str, os.PathLike)) and not _private(
+                        root, cluster):
                     _redirect(callback, names, cluster)
         result = original(callback_list, *args, **kwargs)
         for callback, names in writers:
@@ -211,18 +222,16 @@ def _callback_list_hook(name, original, callback_list, *args, **kwargs):
             _check(callback, names, directory)
         return result
     if name == "on_train_begin":
-        if not cluster.is_chief:
-            for callback, _ in writers:
-                if isinstance(callback, keras.callbacks.BackupAndRestore):
-                    # It restores from the chief's backup: read there.
-                    _restore(callback)
+        # Keras's BackupAndRestore restores from the chief's backup: on
+        # every worker it reads there, then writes to its own again.
+        backups = [(callback, names) for callback, names in writers
+                   if isinstance(callback, keras.callbacks.BackupAndRestore)
+                   and _restore(callback) is not None]
         try:
             return original(callback_list, *args, **kwargs)
         finally:
-            if not cluster.is_chief:
-                for callback, names in writers:
-                    if isinstance(callback, keras.callbacks.BackupAndRestore):
-                        _redirect(callback, names, cluster)
+            for callback, names in backups:
+                _redirect(callback, names, cluster)
     # on_train_end: the callbacks close their files, then the temporary
     # directories go; the user's paths come back for a later `fit`.
     try:
