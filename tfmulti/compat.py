@@ -712,3 +712,31 @@ def wrap_keras_writes(model_write, callback_list_hook) -> bool:
         wrap(keras.callbacks.CallbackList, name, callback_list_hook)
     keras.Model._tfmulti_writes_wrapped = True
     return True
+
+
+# --- Telling another worker a file is written, without a collective --------
+# Symptom: a script that saves on every worker and then loads the chief's
+# file (TF's "Multi-worker training with Keras", "Model saving and
+# loading") can read it on a non-chief before the chief has written it;
+# a collective barrier would hang a script that saves from the chief only
+# (`if is_chief: model.save(...)`, which needs none in Keras 3). TF's
+# coordination service (on in MultiWorkerMirroredStrategy) has a key-value
+# store with a blocking read, reachable only through the private
+# `context.context().{set,get}_config_key_value`. Checked: TF 2.21.0.
+# Guard: tests/test_keras_chief_writes.py::test_coordination_key_value_
+# still_private (use: ::test_tutorial_save_then_load_on_every_worker).
+def publish_key(key: str, value: str = "1") -> None:
+    """Sets `key` in the cluster's coordination service."""
+    from tensorflow.python.eager import context
+    context.context().set_config_key_value(key, value)
+
+
+def wait_for_key(key: str, timeout_seconds: float) -> bool:
+    """Blocks until `key` is set by some worker; False after the timeout."""
+    from tensorflow.python.eager import context
+    try:
+        context.context().get_config_key_value(
+            key, timeout_in_ms=int(timeout_seconds * 1000))
+    except tf.errors.DeadlineExceededError:
+        return False
+    return True

@@ -82,6 +82,86 @@ class OwnTensorBoard(keras.callbacks.TensorBoard):
         self._model = model
 
 
+def tutorial_saving(strategy, multi_worker_model, multi_worker_dataset,
+                    out_dir):
+    """TF's "Multi-worker training with Keras", "Model saving and loading"
+    and "Checkpoint saving and restoring", as written (each worker saves,
+    non-chiefs to `workertemp_<id>` they delete, then every worker loads
+    the chief's), apart from: `out_dir` for /tmp, `.keras` for the model
+    path (Keras 3), `keras` for `tf.keras`, verbose=0. Returns how far the
+    loaded model is from the saved one (0.0: this worker read the chief's
+    complete file)."""
+    single_worker_dataset = multi_worker_dataset.repeat()
+    multi_worker_dataset = multi_worker_dataset.repeat()
+    model_path = os.path.join(out_dir, "keras-model.keras")
+
+    def _is_chief(task_type, task_id):
+        # Note: there are two possible `TF_CONFIG` configurations.
+        #   1) In addition to `worker` tasks, a `chief` task type is use;
+        #      in this case, this function should be modified to
+        #      `return task_type == 'chief'`.
+        #   2) Only `worker` task type is used; in this case, worker 0 is
+        #      regarded as the chief. The implementation demonstrated here
+        #      is for this case.
+        # For the purpose of this Colab section, the `task_type` is `None`
+        # case is added because it is effectively run with only a single
+        # worker.
+        return (task_type == 'worker' and task_id == 0) or task_type is None
+
+    def _get_temp_dir(dirpath, task_id):
+        base_dirpath = 'workertemp_' + str(task_id)
+        temp_dir = os.path.join(dirpath, base_dirpath)
+        tf.io.gfile.makedirs(temp_dir)
+        return temp_dir
+
+    def write_filepath(filepath, task_type, task_id):
+        dirpath = os.path.dirname(filepath)
+        base = os.path.basename(filepath)
+        if not _is_chief(task_type, task_id):
+            dirpath = _get_temp_dir(dirpath, task_id)
+        return os.path.join(dirpath, base)
+
+    task_type, task_id = (strategy.cluster_resolver.task_type,
+                          strategy.cluster_resolver.task_id)
+    write_model_path = write_filepath(model_path, task_type, task_id)
+    multi_worker_model.save(write_model_path)
+    if not _is_chief(task_type, task_id):
+        tf.io.gfile.rmtree(os.path.dirname(write_model_path))
+    loaded_model = keras.models.load_model(model_path)
+    loaded = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+                 for a, b in zip(loaded_model.weights,
+                                 multi_worker_model.weights))
+    # Now that the model is restored, and can continue with the training.
+    loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=20,
+                     verbose=0)
+
+    checkpoint_dir = os.path.join(out_dir, "ckpt")
+    checkpoint = tf.train.Checkpoint(model=multi_worker_model)
+    write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id)
+    checkpoint_manager = tf.train.CheckpointManager(
+        checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    checkpoint_manager.save()
+    if not _is_chief(task_type, task_id):
+        tf.io.gfile.rmtree(write_checkpoint_dir)
+    latest_checkpoint = tf.train.latest_checkpoint(checkpoint_dir)
+    checkpoint.restore(latest_checkpoint)
+    multi_worker_model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=20,
+                           verbose=0)
+    return {"loaded_difference": loaded}
+
+
+def distributed_writers(strategy, train, path):
+    """The same writers through tfmulti.keras.distributed: a checkpoint
+    per epoch and a CSV log; returns the final weights."""
+    with strategy.scope():
+        model = build()
+    tfmulti.keras.distributed(model)
+    model.fit(train, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(path("dist-{epoch}.keras")),
+        keras.callbacks.CSVLogger(path("dist.csv"))])
+    return [w.numpy().tolist() for w in model.weights]
+
+
 def main(out_dir, kill=""):
     # The one line changed from the one-machine script, first thing.
     strategy = tfmulti.create_strategy("multi_worker")
@@ -117,7 +197,10 @@ def main(out_dir, kill=""):
         refused = None
     except ValueError as e:
         refused = str(e)
+    tutorial = tutorial_saving(strategy, model, train, out_dir)
+    distributed = distributed_writers(strategy, train, path)
     result = {"pid": os.getpid(), "attempt": attempt,
+              "tutorial": tutorial, "distributed": distributed,
               "weights": [w.numpy().tolist() for w in model.weights],
               "history": history.history, "refused": refused,
               "iterations": int(model.optimizer.iterations.numpy())}

@@ -31,8 +31,10 @@ path)` called directly (not `model.save`) is not covered.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import shutil
+import warnings
 
 import keras
 
@@ -44,6 +46,10 @@ from tfmulti.training.checkpoints import worker_temp_dir
 _SHARED = "_tfmulti_shared_paths"
 # Temporary directories of this process not yet removed (removed at exit).
 _pending = set()
+# This process's model writes under a multi-worker strategy, counted.
+_writes = itertools.count()
+# How long a non-chief's save waits for the chief's matching one.
+WAIT_SECONDS = 120.0
 
 
 def install() -> None:
@@ -98,16 +104,37 @@ def _model_write(name, original, model, filepath=None, *args, **kwargs):
     cluster = _cluster_of(model)
     if cluster is None or not _is_local(filepath):
         return original(model, filepath, *args, **kwargs)
+    # The chief announces its n-th write; a non-chief's n-th write returns
+    # once it is done, so a load right after it reads the chief's new
+    # file. A chief-only save (`if is_chief: ...`) never waits.
+    key = f"tfmulti/keras_write/{next(_writes)}"
+    if cluster.is_chief:
+        try:
+            return _chief_write(name, original, model, filepath, *args,
+                                **kwargs)
+        finally:
+            compat.publish_key(key)
     path = os.path.abspath(os.fspath(filepath))
-    if not cluster.is_chief and _private(path, cluster):
-        return original(model, filepath, *args, **kwargs)
-    if not cluster.is_chief:
+    if _private(path, cluster):
+        result = original(model, filepath, *args, **kwargs)
+    else:
         directory = _temp_dir(path, cluster)
         try:
-            return original(model, os.path.join(
+            result = original(model, os.path.join(
                 directory, os.path.basename(path)), *args, **kwargs)
         finally:
             _remove(directory)
+    if not compat.wait_for_key(key, WAIT_SECONDS):
+        warnings.warn(
+            f"tfmulti: the chief did not finish its write matching this "
+            f"worker's `model.{name}({filepath!r})` within {WAIT_SECONDS:g} "
+            "s; reading the chief's file now may find an older one.",
+            UserWarning, stacklevel=3)
+    return result
+
+
+def _chief_write(name, original, model, filepath, *args, **kwargs):
+    path = os.path.abspath(os.fspath(filepath))
     if name == "export" or kwargs.get("max_shard_size") or (
             os.path.exists(path) and not kwargs.get(
                 "overwrite", args[0] if args else True)):
