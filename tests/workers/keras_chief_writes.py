@@ -61,18 +61,18 @@ def datasets(x, y):
     return train, val
 
 
-class KillAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), 0
+def kill_at(epoch, batch):
+    """SIGKILLs this process after `batch` of `epoch` (0-based)."""
+    now = {"epoch": 0}
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
+    def batch_end(done, logs):
+        if (now["epoch"], done) == (epoch, batch):
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    return keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda e, logs: now.update(epoch=e),
+        on_train_batch_end=batch_end)
 
 
 class OwnTensorBoard(keras.callbacks.TensorBoard):
@@ -185,7 +185,7 @@ def main(out_dir, kill=""):
     if kill and attempt == 0:
         worker, epoch, batch = map(int, kill.split(":"))
         if worker == index:
-            callbacks.append(KillAt(epoch, batch))
+            callbacks.append(kill_at(epoch, batch))
     history = model.fit(train, epochs=EPOCHS, validation_data=val,
                         callbacks=callbacks, verbose=0)
     model.save(path("model.keras"))
