@@ -102,7 +102,7 @@ def _private(path, cluster) -> bool:
 
 def _model_write(name, original, model, filepath=None, *args, **kwargs):
     cluster = _cluster_of(model)
-    if cluster is None or not _is_local(filepath):
+    if cluster is None or not isinstance(filepath, (str, os.PathLike)):
         return original(model, filepath, *args, **kwargs)
     # The chief announces its n-th write; a non-chief's n-th write returns
     # once it is done, so a load right after it reads the chief's new
@@ -135,10 +135,11 @@ def _model_write(name, original, model, filepath=None, *args, **kwargs):
 
 def _chief_write(name, original, model, filepath, *args, **kwargs):
     path = os.path.abspath(os.fspath(filepath))
-    if name == "export" or kwargs.get("max_shard_size") or (
-            os.path.exists(path) and not kwargs.get(
+    if name == "export" or not _is_local(filepath) or kwargs.get(
+            "max_shard_size") or (os.path.exists(path) and not kwargs.get(
                 "overwrite", args[0] if args else True)):
-        # A directory, several shards, or Keras's own overwrite prompt.
+        # A directory, a remote path, several shards, or Keras's own
+        # overwrite prompt.
         return original(model, filepath, *args, **kwargs)
     # Same directory and suffix (Keras checks it): renamed into place.
     directory, base = os.path.split(path)
