@@ -732,11 +732,15 @@ def publish_key(key: str, value: str = "1") -> None:
 
 
 def wait_for_key(key: str, timeout_seconds: float) -> bool:
-    """Blocks until `key` is set by some worker; False after the timeout."""
+    """Blocks until `key` is set by some worker; False after the timeout.
+    True at once if the service is gone: the chief, which runs it, has
+    exited (after its writes, or dead: then nothing more will come)."""
     from tensorflow.python.eager import context
     try:
         context.context().get_config_key_value(
             key, timeout_in_ms=int(timeout_seconds * 1000))
     except tf.errors.DeadlineExceededError:
         return False
+    except tf.errors.UnavailableError:
+        return True
     return True

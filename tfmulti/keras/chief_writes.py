@@ -126,7 +126,7 @@ def _model_write(name, original, model, filepath=None, *args, **kwargs):
             _remove(directory)
     if not compat.wait_for_key(key, WAIT_SECONDS):
         warnings.warn(
-            f"tfmulti: the chief did not finish its write matching this "
+            f"tfmulti: the chief did not confirm its write matching this "
             f"worker's `model.{name}({filepath!r})` within {WAIT_SECONDS:g} "
             "s; reading the chief's file now may find an older one.",
             UserWarning, stacklevel=3)
