@@ -130,3 +130,17 @@ def test_mid_epoch_resume_skips_accumulated_batches(tmp_path):
         golden.optimizer.iterations) == 8
     for a, b in zip(resumed.get_weights(), golden.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_loss_scaling_functions_still_exist():
+    # Guard of compat.unscaled_keras_losses: the names it swaps exist, are
+    # swapped only inside (re-entrant) and restored after.
+    from keras.src.losses import loss as loss_module
+    from tfmulti import compat
+    before = [getattr(loss_module, n) for n in compat._LOSS_SCALE_FUNCTIONS]
+    with compat.unscaled_keras_losses():
+        with compat.unscaled_keras_losses():
+            assert loss_module.scale_loss_for_distribution(3.0) == 3.0
+        assert loss_module.unscale_loss_for_distribution(3.0) == 3.0
+    assert [getattr(loss_module, n)
+            for n in compat._LOSS_SCALE_FUNCTIONS] == before

@@ -17,7 +17,9 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -338,7 +340,9 @@ def is_keras_train_step(fn) -> bool:
             isinstance(model, keras.Model))
 
 
-_warned_custom_step = set()
+# Models (weakly held: a new model may reuse a freed one's id) already
+# warned about their custom `train_step`'s logged loss.
+_warned_custom_step = weakref.WeakSet()
 
 
 def check_keras_step(strategy, fn, args):
@@ -364,12 +368,16 @@ def check_keras_step(strategy, fn, args):
             "with XLA, which cannot reach the other replicas' variables. "
             "Compile with jit_compile=False, or call "
             "tfmulti.keras.distributed(model) after compile.")
-    if getattr(type(model), fn.__name__) is not getattr(
-            keras.Model, fn.__name__) and id(model) not in _warned_custom_step:
+    overridden = getattr(type(model), fn.__name__) is not getattr(
+        keras.Model, fn.__name__)
+    if overridden and fn.__name__ == "test_step":
+        # Its losses are only logged, never differentiated: as on one device.
+        return losses_unscaled_in(fn)
+    if overridden and model not in _warned_custom_step:
         # Keras losses under a strategy return each replica's mean / N
         # (`scale_loss_for_distribution`); the keras-io guide's custom
         # `train_step` logs that value with `metric.update_state(loss)`.
-        _warned_custom_step.add(id(model))
+        _warned_custom_step.add(model)
         warnings.warn(
             f"tfmulti: {type(model).__name__} overrides `{fn.__name__}`. "
             f"Under a strategy with {n} replicas a Keras loss (and "
@@ -561,3 +569,178 @@ def set_global_steps(distributed_dataset, strategy) -> None:
     replicas_here = len(strategy.extended.worker_devices)
     if per_worker >= 0 and replicas_here > 1:
         distributed_dataset._cardinality = per_worker // replicas_here
+
+
+# --- Keras losses are scaled by 1/replicas in a custom `test_step` too ------
+# Symptom: keras-io "Customizing what happens in fit() with TensorFlow",
+# "Providing your own evaluation step": the guide's `test_step` logs
+# `self.compute_loss(...)` with `metric.update_state(loss)`; under a
+# strategy with N replicas `keras/src/losses/loss.py` `reduce_values` (and
+# the TF trainer's `_aggregate_additional_loss`) multiply every loss by 1/N
+# (`scale_loss_for_distribution`), which only the summed GRADIENT needs, so
+# `evaluate` reports 1/N of one device's loss (0.556 for 2.226 on 4
+# replicas), silently. Keras's own `test_step` undoes the scale with
+# `unscale_loss_for_distribution`. Checked: Keras 3.15.1.
+# Workaround: while a custom `test_step` runs (traced) under tfmulti's
+# strategies or `tfmulti.keras.distributed`, both functions are the
+# identity, so its losses are what one device computes. Guard: the stock
+# scale, test_compat.py (keras_loss_scales_by_replicas); the stock guide's
+# 1/N, tests/conformance/test_conformance.py::test_stock_guide_test_step_
+# loss_still_scaled; these names, test_keras_fit_local.py::
+# test_loss_scaling_functions_still_exist.
+_LOSS_SCALE_FUNCTIONS = ("scale_loss_for_distribution",
+                         "unscale_loss_for_distribution")
+_unscaled_lock = threading.Lock()
+_unscaled_depth = 0
+_scaled_originals = {}
+
+
+def _identity(value):
+    return value
+
+
+def _loss_module():
+    from keras.src.losses import loss as loss_module
+    missing = [n for n in _LOSS_SCALE_FUNCTIONS
+               if not callable(getattr(loss_module, n, None))]
+    if missing:
+        raise RuntimeError(
+            f"keras.src.losses.loss has no {missing}: this Keras "
+            f"({keras.__version__}) changed how it scales losses for "
+            "replicas, and tfmulti cannot report a custom test_step's loss "
+            "as one device does. Use keras 3.15.")
+    return loss_module
+
+
+@contextlib.contextmanager
+def unscaled_keras_losses():
+    """Keras losses computed inside are not scaled for replicas (re-entrant,
+    and shared by the replica threads of one `strategy.run`)."""
+    global _unscaled_depth
+    module = _loss_module()
+    with _unscaled_lock:
+        if _unscaled_depth == 0:
+            for name in _LOSS_SCALE_FUNCTIONS:
+                _scaled_originals[name] = getattr(module, name)
+                setattr(module, name, _identity)
+        _unscaled_depth += 1
+    try:
+        yield
+    finally:
+        with _unscaled_lock:
+            _unscaled_depth -= 1
+            if _unscaled_depth == 0:
+                for name in _LOSS_SCALE_FUNCTIONS:
+                    setattr(module, name, _scaled_originals.pop(name))
+
+
+def losses_unscaled_in(fn):
+    """`fn` (a step that computes losses only to log them) run inside
+    `unscaled_keras_losses`."""
+    def unscaled(*args, **kwargs):
+        with unscaled_keras_losses():
+            return fn(*args, **kwargs)
+    unscaled.__name__ = getattr(fn, "__name__", "unscaled")
+    return unscaled
+
+
+# --- Keras 3 writes every file from every worker ---------------------------
+# Symptom: under MultiWorkerMirroredStrategy every worker runs the same
+# callbacks and saves, to the same paths: `keras.callbacks.BackupAndRestore`
+# writes `latest.weights.h5` from each (h5py "BlockingIOError: [Errno 11]
+# Unable to synchronously create file (unable to lock file ...)", then the
+# peer's collectives abort), `TensorBoard` writes one event file per worker
+# and split, `ModelCheckpoint` and `model.save("x.keras")` interleave their
+# writes ("BadZipFile: Bad CRC-32 for file 'config.json'" in 2 of 5 runs),
+# `CSVLogger` writes each row twice. tf.keras (Keras 2) wrote from the chief
+# only and sent the others to temporary directories
+# (`keras/distribute/distributed_file_utils.py`); Keras 3 dropped that
+# (keras-team/keras#20601: multi-worker not supported). Checked: Keras 3.15.1.
+# Workaround (`tfmulti.keras.chief_writes`, installed when tfmulti makes a
+# multi-worker strategy): `keras.Model.save` / `save_weights` / `export` and
+# `keras.callbacks.CallbackList.set_model` / `on_train_begin` /
+# `on_train_end` are wrapped; the wrappers change nothing unless the model's
+# strategy is tfmulti's multi-worker one with more than one worker. Below:
+# where each callback keeps the paths it writes (private, set by
+# `set_model` or `__init__`). Guards: tests/test_keras_chief_writes.py
+# (test_keras_callbacks_still_have_no_chief_logic,
+# test_callback_write_paths_still_exist).
+def callback_write_paths() -> dict:
+    """{Keras callback class: the attributes holding the paths it writes,
+    its root (a directory or file the others are in) first}."""
+    return {
+        keras.callbacks.BackupAndRestore: (
+            "backup_dir", "_weights_path", "_training_metadata_path",
+            "_prev_weights_path", "_prev_training_metadata_path"),
+        # `set_model` derives the others from `log_dir`, and writes.
+        keras.callbacks.TensorBoard: ("log_dir", "_log_write_dir",
+                                      "_train_dir", "_val_dir"),
+        keras.callbacks.CSVLogger: ("filename",),
+    }
+
+
+MODEL_WRITE_METHODS = ("save", "save_weights", "export")
+_CALLBACK_LIST_HOOKS = ("set_model", "on_train_begin", "on_train_end")
+
+
+def wrap_keras_writes(model_write, callback_list_hook) -> bool:
+    """Wraps Keras's model writers and callback list hooks, once.
+
+    `model_write(name, original, model, *args, **kwargs)` stands in for
+    `keras.Model.<name>`; `callback_list_hook(name, original, callback_list,
+    *args, **kwargs)` for `keras.callbacks.CallbackList.<name>`.
+
+    Returns:
+      Whether they were wrapped now (False: already wrapped).
+    """
+    if getattr(keras.Model, "_tfmulti_writes_wrapped", False):
+        return False
+
+    def wrap(cls, name, hook):
+        original = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            return hook(name, original, self, *args, **kwargs)
+        wrapped.__name__ = name
+        wrapped.__doc__ = original.__doc__
+        wrapped.__wrapped__ = original
+        setattr(cls, name, wrapped)
+
+    for name in MODEL_WRITE_METHODS:
+        wrap(keras.Model, name, model_write)
+    for name in _CALLBACK_LIST_HOOKS:
+        wrap(keras.callbacks.CallbackList, name, callback_list_hook)
+    keras.Model._tfmulti_writes_wrapped = True
+    return True
+
+
+# --- Telling another worker a file is written, without a collective --------
+# Symptom: a script that saves on every worker and then loads the chief's
+# file (TF's "Multi-worker training with Keras", "Model saving and
+# loading") can read it on a non-chief before the chief has written it;
+# a collective barrier would hang a script that saves from the chief only
+# (`if is_chief: model.save(...)`, which needs none in Keras 3). TF's
+# coordination service (on in MultiWorkerMirroredStrategy) has a key-value
+# store with a blocking read, reachable only through the private
+# `context.context().{set,get}_config_key_value`. Checked: TF 2.21.0.
+# Guard: tests/test_keras_chief_writes.py::test_coordination_key_value_
+# still_private (use: ::test_tutorial_save_then_load_on_every_worker).
+def publish_key(key: str, value: str = "1") -> None:
+    """Sets `key` in the cluster's coordination service."""
+    from tensorflow.python.eager import context
+    context.context().set_config_key_value(key, value)
+
+
+def wait_for_key(key: str, timeout_seconds: float) -> bool:
+    """Blocks until `key` is set by some worker; False after the timeout.
+    True at once if the service is gone: the chief, which runs it, has
+    exited (after its writes, or dead: then nothing more will come)."""
+    from tensorflow.python.eager import context
+    try:
+        context.context().get_config_key_value(
+            key, timeout_in_ms=int(timeout_seconds * 1000))
+    except tf.errors.DeadlineExceededError:
+        return False
+    except tf.errors.UnavailableError:
+        return True
+    return True

@@ -192,6 +192,7 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         strategy = _multi_worker(cluster, num_gpus, options,
                                  startup_timeout_seconds)
         initial_values.name_mismatches(strategy)
+        _keras_writes_from_chief()
     else:
         if devices is None:
             devices = _local_devices(num_gpus)
@@ -382,5 +383,16 @@ def multi_worker_on_cpus(local_cpus: int, *,
     strategy = Strategy(resolver, options)
     strategy._tfmulti_communication_options = options
     initial_values.name_mismatches(strategy)
+    _keras_writes_from_chief()
     watchdog.attach(strategy, stall_timeout_seconds)
     return strategy
+
+
+def _keras_writes_from_chief():
+    """Keras's saves and file-writing callbacks write from the chief only
+    under a multi-worker strategy (`tfmulti.keras.chief_writes`): the
+    user's one-machine code, run by every worker, gives one file of each."""
+    # Imported here: it is Keras-level policy, needed only once a
+    # multi-worker strategy exists.
+    from tfmulti.keras import chief_writes
+    chief_writes.install()

@@ -446,6 +446,125 @@ def keras_guide_multi_gpu():
             for layout in ("one", "m4")}
 
 
+# -- TF tutorial "Save and load a model using a distribution strategy" -----
+# As written (Keras API: `.keras`, load without a strategy and under
+# another; tf.saved_model API: `tf.saved_model.save`, load, serve on one
+# device and with `another_strategy.run`), apart from: the strategy lines,
+# generated images for MNIST, the global batch of 4 replicas on every
+# layout (the tutorial's 64 per replica, here 16), fixed seeds, verbose=0,
+# a temporary directory for /tmp, and `model.export` next to
+# `tf.saved_model.save` (the Keras 3 way to a SavedModel).
+
+def _save_and_load(layout, save_dir):
+    mirrored_strategy = strategy(layout)
+
+    def get_data():
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (256, 28, 28, 1)).astype("uint8")
+        labels = rng.integers(0, 10, 256).astype("int64")
+        mnist_train = tf.data.Dataset.from_tensor_slices(
+            (images[:192], labels[:192]))
+        mnist_test = tf.data.Dataset.from_tensor_slices(
+            (images[192:], labels[192:]))
+
+        BUFFER_SIZE = 10000
+
+        BATCH_SIZE_PER_REPLICA = 16
+        BATCH_SIZE = BATCH_SIZE_PER_REPLICA * 4
+
+        def scale(image, label):
+            image = tf.cast(image, tf.float32)
+            image /= 255
+
+            return image, label
+
+        train_dataset = mnist_train.map(scale).cache().shuffle(
+            BUFFER_SIZE, seed=0).batch(BATCH_SIZE)
+        eval_dataset = mnist_test.map(scale).batch(BATCH_SIZE)
+
+        return train_dataset, eval_dataset
+
+    def get_model():
+        with mirrored_strategy.scope():
+            model = keras.Sequential([
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Conv2D(32, 3, activation='relu'),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation='relu'),
+                keras.layers.Dense(10)
+            ])
+
+            model.compile(
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True),
+                optimizer=keras.optimizers.Adam(),
+                metrics=['accuracy'])
+            return model
+
+    keras.utils.set_random_seed(1)
+    model = remember(get_model())
+    train_dataset, eval_dataset = get_data()
+    model.fit(train_dataset, epochs=2, verbose=0)
+    out = trained(model)
+    images = np.concatenate([x for x, _ in eval_dataset.as_numpy_iterator()])
+    out["predict"] = model.predict(images, verbose=0).tolist()
+
+    keras_model_path = os.path.join(save_dir, "keras_save.keras")
+    model.save(keras_model_path)
+    restored_keras_model = keras.models.load_model(keras_model_path)
+    restored_keras_model.fit(train_dataset, epochs=2, verbose=0)
+    out["restored_none"] = weights(restored_keras_model)
+
+    for name, another_strategy in (("one", strategy("one")),
+                                   ("m4", strategy("m4"))):
+        with another_strategy.scope():
+            restored_keras_model_ds = keras.models.load_model(
+                keras_model_path)
+            restored_keras_model_ds.fit(train_dataset, epochs=2, verbose=0)
+        out[f"restored_{name}"] = weights(restored_keras_model_ds)
+
+    saved_model_path = os.path.join(save_dir, "tf_save")
+    tf.saved_model.save(model, saved_model_path)
+    export_path = os.path.join(save_dir, "export")
+    model.export(export_path, verbose=False)
+    DEFAULT_FUNCTION_KEY = "serving_default"
+    predict_dataset = eval_dataset.map(lambda image, label: image)
+    for path, key in ((saved_model_path, "saved_model"),
+                      (export_path, "export")):
+        loaded = tf.saved_model.load(path)
+        inference_func = loaded.signatures[DEFAULT_FUNCTION_KEY]
+        served = []
+        for batch in predict_dataset:
+            served.append(next(iter(inference_func(batch).values())).numpy())
+        out[f"{key}_served"] = np.concatenate(served).tolist()
+        another_strategy = strategy("m4")
+        with another_strategy.scope():
+            loaded = tf.saved_model.load(path)
+            inference_func = loaded.signatures[DEFAULT_FUNCTION_KEY]
+            dist_predict_dataset = (
+                another_strategy.experimental_distribute_dataset(
+                    predict_dataset))
+            served = []
+            for batch in dist_predict_dataset:
+                result = another_strategy.run(inference_func, args=(batch,))
+                for part in another_strategy.experimental_local_results(
+                        result):
+                    served.append(next(iter(part.values())).numpy())
+        out[f"{key}_served_m4"] = np.concatenate(served).tolist()
+    return out
+
+
+@case
+def tf_save_and_load():
+    import tempfile
+    out = {}
+    for layout in ("one", "m4"):
+        with tempfile.TemporaryDirectory() as save_dir:
+            out[layout] = caught(lambda: _save_and_load(layout, save_dir))
+    return out
+
+
 # -- keras-io "Customizing what happens in fit() with TensorFlow" ----------
 # The guide's four models (compute_loss + metrics; own metrics; sample
 # weights; own test_step) as written, apart from: the strategy line around
@@ -534,13 +653,13 @@ class GuideModel4(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
-def _guide_custom_fit(layout, number):
+def _guide_custom_fit(layout, number, how="plain", make_strategy=None):
     rng = np.random.default_rng(number)
     x = rng.random((256, 32))
     y = rng.random((256, 1))
     sw = rng.random((256, 1))
     keras.utils.set_random_seed(1)
-    with strategy(layout).scope():
+    with (make_strategy or strategy)(layout).scope():
         inputs = keras.Input(shape=(32,))
         outputs = keras.layers.Dense(1)(inputs)
         cls = [GuideModel1, GuideModel2, GuideModel3, GuideModel4][number - 1]
@@ -551,6 +670,8 @@ def _guide_custom_fit(layout, number):
             model.compile(loss="mse", metrics=["mae"])
         else:
             model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    if how == "distributed":
+        tfmulti.keras.distributed(model)
     if number == 4:
         return {"eval": model.evaluate(x, y, verbose=0, return_dict=True)}
     kwargs = {"sample_weight": sw} if number == 3 else {}
@@ -560,8 +681,12 @@ def _guide_custom_fit(layout, number):
 
 @case
 def keras_guide_custom_fit():
-    return {layout: {f"model{n}": caught(lambda: _guide_custom_fit(layout, n))
-                     for n in (1, 2, 3, 4)} for layout in ("one", "m4")}
+    out = {layout: {f"model{n}": caught(lambda: _guide_custom_fit(layout, n))
+                    for n in (1, 2, 3, 4)} for layout in ("one", "m4")}
+    # "Providing your own evaluation step" through `distributed` too.
+    out["m4"]["model4_distributed"] = caught(
+        lambda: _guide_custom_fit("m4", 4, "distributed"))
+    return out
 
 
 # -- plain Keras evaluate on an exact-once distributed dataset --------------
@@ -849,8 +974,16 @@ def guards():
             model.compile(keras.optimizers.SGD(0.1), sce())
         model.fit(tf.data.Dataset.from_tensors((x[:64], y[:64])), verbose=0)
 
+    def guide_test_step():
+        # "Providing your own evaluation step" on a stock MirroredStrategy.
+        return _guide_custom_fit("m4", 4, make_strategy=lambda _: (
+            _stock_mirrored(4)))["eval"]
+
     return {"lazy_optimizer": caught(lazy_optimizer),
-            "first_batch_build": caught(first_batch_build)}
+            "first_batch_build": caught(first_batch_build),
+            "guide_test_step": caught(guide_test_step),
+            "guide_test_step_golden": caught(
+                lambda: _guide_custom_fit("one", 4)["eval"])}
 
 
 def main():

@@ -160,6 +160,7 @@ class _Logs:
 
     def capture(self, logs, batch):
         """In replica context: keeps this replica's values of `logs`."""
+        logs = _flat_logs(logs)
         examples = tf.cast(tf.shape(step_lib.first_tensor(batch))[0],
                            tf.float32)
         self.examples.assign(examples)
@@ -179,6 +180,19 @@ def _metric_names(model):
     return set(model.get_metrics_result().keys())
 
 
+def _flat_logs(logs):
+    """`logs` with nested dicts merged in, as Keras flattens a step's logs
+    for the history (a guide's `{m.name: m.result() for m in
+    self.metrics}` nests the compiled metrics' dict)."""
+    flat = {}
+    for key, value in logs.items():
+        if isinstance(value, dict):
+            flat.update(_flat_logs(value))
+        else:
+            flat[key] = value
+    return flat
+
+
 def _discover_logs(model, replica_fn, element_spec):
     """Traces `strategy.run(replica_fn)` once, without running it, and
     returns the specs of the dict it returns."""
@@ -194,7 +208,7 @@ def _discover_logs(model, replica_fn, element_spec):
         if not found:
             found.append({k: tf.TensorSpec(tf.convert_to_tensor(v).shape,
                                            tf.convert_to_tensor(v).dtype)
-                          for k, v in logs.items()})
+                          for k, v in _flat_logs(logs).items()})
         return tf.constant(0.0)
 
     strategy = model.distribute_strategy
@@ -420,6 +434,12 @@ def _make_test_function(model, force=False):
     strategy = model.distribute_strategy
     state = getattr(model, _STATE)
     state.test_logs = None
+    own_test_step = model.test_step
+    if _overrides(model, "test_step"):
+        # Its losses are only logged: as one device computes them, not
+        # scaled by 1/replicas for a gradient sum (the keras-io guide's
+        # `metric.update_state(self.compute_loss(...))`).
+        own_test_step = compat.losses_unscaled_in(model.test_step)
 
     def test_step(batch, masked):
         if masked and len(batch) == 3 and not (
@@ -427,7 +447,7 @@ def _make_test_function(model, force=False):
                 _overrides(model, "compute_loss")):
             logs = _masked_test_step(model, batch)
         else:
-            logs = model.test_step(batch)
+            logs = own_test_step(batch)
         if state.test_logs is not None:
             state.test_logs.capture(logs, batch)
 
@@ -458,7 +478,7 @@ def _make_test_function(model, force=False):
             # A custom `test_step`'s own logs (or those of Keras's, through
             # a `compute_metrics` override) are what Keras's evaluate
             # returns: keep them (metric names read globally).
-            specs = _discover_logs(model, model.test_step,
+            specs = _discover_logs(model, own_test_step,
                                    iterator.element_spec)
             logs = _Logs(model, specs, specs.keys())
             state.test_logs = logs
