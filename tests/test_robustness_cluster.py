@@ -5,7 +5,9 @@ Real worker processes on loopback; a real socket holds the port in use.
 
 import json
 import os
+import re
 import socket
+import subprocess
 import sys
 import time
 
@@ -64,6 +66,31 @@ def test_unresolvable_peer_and_busy_port_fail_within_the_bound(tmp_path):
             "'no-such-host.invalid:2222' (host 'no-such-host.invalid')"
             ) in out2
     assert max(t1, t2) < 280
+    # Neither wait is silent: from a quarter of the bound on (2 s here; 5 s
+    # at the default bounds), every quarter, one line says what the worker
+    # waits for and for how much longer.
+    _assert_waiting_lines(out1, (
+        f"this worker (`cluster.worker[1]` '127.0.0.1:{p1}') is waiting for "
+        "the cluster to form: every peer's port answers (`cluster.worker[0]` "
+        f"'127.0.0.1:{p0}'), waiting for them to join; "))
+    _assert_waiting_lines(out2, (
+        f"this worker (`cluster.worker[0]` '127.0.0.1:{p2}') is waiting for "
+        "hostname(s) to resolve: `cluster.worker[1]` "
+        "'no-such-host.invalid:2222' (host 'no-such-host.invalid'); "))
+
+
+def _assert_waiting_lines(out, what):
+    lines = [line for line in out.splitlines()
+             if line.startswith(f"tfmulti: {what}")]
+    tail = (r"waited (\d+) s, gives up in (\d+) s \(at \d\d:\d\d:\d\d UTC; "
+            r"bound 8 s: `create_strategy\(startup_timeout_seconds=...\)`, "
+            r"recipes' --startup_timeout, \$TFMULTI_STARTUP_TIMEOUT\)\.$")
+    times = [re.search(tail, line) for line in lines]
+    assert len(lines) >= 2 and all(times), out
+    waited = [int(m.group(1)) for m in times]
+    # The first line within a few seconds; each says the time left.
+    assert 2 <= waited[0] <= 4, out
+    assert all(int(m.group(1)) + int(m.group(2)) == 8 for m in times), out
 
 
 def test_single_process_strategy_in_a_cluster_is_refused():
@@ -90,3 +117,31 @@ def test_bad_kubernetes_variables_are_named(environ, message):
     with pytest.raises(ValueError) as e:
         cluster_lib.cluster_config(environ={**base, **environ})
     assert message in str(e.value)
+
+
+@pytest.mark.slow
+def test_launcher_stops_the_group_at_once_when_a_worker_fails_at_start():
+    # Worker 0's port is taken (by itself: a leftover of an earlier run
+    # would do the same); worker 1 would wait for it inside TensorFlow's
+    # join, up to the launcher's 120 s start-up bound.
+    began = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tfmulti.launch", "--workers", "2", "--",
+         sys.executable, WORKER, "env", "hold_port_on_0"],
+        capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - began
+    print(f"launcher start-up failure after {seconds:.1f} s")
+    assert result.returncode == 1, result.stderr
+    assert re.search(
+        r"tfmulti-launch: worker 0 exited with code 1 during start-up, "
+        r"before the cluster formed: ValueError: Port (\d+) of this task "
+        r"\(`cluster.worker\[0\]` = '127.0.0.1:\1'\) is already in use by "
+        r"another process, .*; stopping the other 1 process\(es\) at once "
+        r"\(SIGKILL: they wait for it inside TensorFlow, with nothing to "
+        r"save\)\n", result.stderr), result.stderr
+    assert re.search(r"exited: w0 1, w1 SIG(KILL|TERM); 0 restart\(s\)",
+                     result.stderr), result.stderr
+    assert "JOINED" not in result.stdout
+    # Far within the 120 s start-up bound: the time two workers take to
+    # import TensorFlow on a loaded machine (measured 19 s at load 20).
+    assert seconds < 90, (seconds, result.stderr)
