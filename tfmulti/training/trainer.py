@@ -552,7 +552,7 @@ class Trainer:
                 weight_check.take(start)
             # Applied updates advance it, skipped ones do not: a loop that
             # skipped every update is seen even when its losses were finite.
-            iterations = int(self.optimizer.iterations)
+            iterations = int(self.optimizer.iterations.numpy())
             losses, metrics = train(iterator, lengths[n]) if (
                 self.metrics) else (train(iterator, lengths[n]), {})
             losses = losses.numpy()
@@ -562,7 +562,7 @@ class Trainer:
             elapsed = time.perf_counter() - began
             skips_in_a_row[0] = numerics.consecutive_skips(
                 skips_in_a_row[0], losses,
-                applied=int(self.optimizer.iterations) - iterations)
+                applied=int(self.optimizer.iterations.numpy()) - iterations)
             numerics.check_consecutive_skips(
                 skips_in_a_row[0], step=start + n, optimizer=self.optimizer)
             self._steps_done = start + n
