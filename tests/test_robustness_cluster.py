@@ -15,6 +15,7 @@ import pytest
 
 from tests import subproc
 from tfmulti import cluster as cluster_lib
+from tfmulti import startup
 from tfmulti import strategies
 
 WORKER = "tests/workers/robustness_startup.py"
@@ -145,3 +146,38 @@ def test_launcher_stops_the_group_at_once_when_a_worker_fails_at_start():
     # Far within the 120 s start-up bound: the time two workers take to
     # import TensorFlow on a loaded machine (measured 19 s at load 20).
     assert seconds < 90, (seconds, result.stderr)
+
+
+def test_startup_timeout_from_the_argument_the_environment_or_600():
+    env = {startup.STARTUP_TIMEOUT_ENV: "120"}
+    assert startup.startup_timeout_seconds(None, environ={}) == 600
+    assert startup.startup_timeout_seconds(None, environ=env) == 120
+    assert startup.startup_timeout_seconds(30, environ=env) == 30
+    with pytest.raises(ValueError, match=(
+            "`TFMULTI_STARTUP_TIMEOUT` should be a positive number of "
+            "seconds, got 'soon'")):
+        startup.startup_timeout_seconds(
+            None, environ={startup.STARTUP_TIMEOUT_ENV: "soon"})
+    with pytest.raises(ValueError, match=(
+            "`startup_timeout_seconds` should be a positive number of "
+            "seconds, got 0")):
+        strategies.create_strategy("multi_worker", startup_timeout_seconds=0)
+    # When a waiting worker speaks: first after 5 s (a quarter of a short
+    # bound), then every 30 s (or quarter).
+    assert startup.report_schedule(600) == (5, 30)
+    assert startup.report_schedule(120) == (5, 30)
+    assert startup.report_schedule(8) == (2, 2)
+
+
+def test_launcher_gives_its_workers_a_short_startup_bound():
+    show = [sys.executable, "-c", "import os; print('bound', os.environ["
+            f"{startup.STARTUP_TIMEOUT_ENV!r}])"]
+    env = {k: v for k, v in os.environ.items()
+           if k != startup.STARTUP_TIMEOUT_ENV}
+    for extra, bound in (({}, "120"), ({startup.STARTUP_TIMEOUT_ENV: "900"},
+                                       "900")):
+        result = subprocess.run(
+            [sys.executable, "-m", "tfmulti.launch", "--workers", "1", "--",
+             *show], capture_output=True, text=True, timeout=60,
+            env={**env, **extra})
+        assert f"[w0] bound {bound}\n" in result.stdout, result

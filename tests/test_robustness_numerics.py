@@ -20,17 +20,25 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                   reduction=None)
 
 
-def test_mixed_float16_overflowing_every_step_stops_naming_the_cause():
+def _float16_trainer(loss, model_dir=None, **kwargs):
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)),
                                       keras.layers.Dense(3)])
-            trainer = tfmulti.Trainer(model, keras.optimizers.SGD(0.1),
-                                      loss=LOSS, steps_per_loop=10)
+            return tfmulti.Trainer(
+                model, keras.optimizers.SGD(0.1), loss=loss,
+                mixed_precision="mixed_float16",
+                model_dir=model_dir and str(model_dir), **kwargs)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_float16_overflowing_every_step_stops_naming_the_cause():
+    # Skips add up over loops of 10: the error after the third.
+    trainer = _float16_trainer(LOSS, steps_per_loop=10)
+    model = trainer.model
     before = [w.numpy().copy() for w in model.weights]
     # 1e5 is beyond float16's 65504: inf on every step, whatever the scale.
     x = np.full((64, 4), 1e5, "float32")
@@ -43,21 +51,6 @@ def test_mixed_float16_overflowing_every_step_stops_naming_the_cause():
         trainer.fit(data, steps=100, verbose=0)
     for old, new in zip(before, model.weights):
         np.testing.assert_array_equal(old, new.numpy())
-
-
-def _float16_trainer(loss, model_dir, **kwargs):
-    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)),
-                                      keras.layers.Dense(3)])
-            return tfmulti.Trainer(
-                model, keras.optimizers.SGD(0.1), loss=loss,
-                mixed_precision="mixed_float16", model_dir=str(model_dir),
-                **kwargs)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
 
 
 def _overflowing_gradient_loss(y, logits):
@@ -88,8 +81,8 @@ def test_float16_run_that_skips_every_update_stops_with_no_checkpoint(
     with pytest.raises(numerics.NonFiniteLossError, match=(
             r"^The last 50 updates \(steps 1-50\) were all skipped because "
             r"the loss or its gradients were NaN or inf with the loss scale "
-            r"down to 2\.91038e-11: training makes no progress and would end with "
-            r"untrained weights; no checkpoint was written from a skipped "
+            r"down to 2\.91038e-11: training makes no progress and would end "
+            r"with untrained weights; no checkpoint was written from a skipped "
             r"step\.")) as e:
         trainer.fit(data, steps=200, checkpoint_every=50, verbose=0)
     assert e.value.step == 50

@@ -301,7 +301,8 @@ def check_equivalence(replicas: int, tolerance: float,
         procs = {n: subprocess.Popen(
             [sys.executable, "-m", "tfmulti.doctor", "_selfcheck", str(n),
              str(int(use_gpus)), out, str((learning_rates or {}).get(
-                 n, _SELFCHECK_LEARNING_RATE))], env=env, stdout=subprocess.PIPE,
+                 n, _SELFCHECK_LEARNING_RATE))], env=env,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
             for n, out in outs.items()}
         failures = {}

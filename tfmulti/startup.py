@@ -150,8 +150,8 @@ def check_hosts_resolve(cluster, *, timeout_seconds: float) -> None:
             break
         if now >= report_at:
             report_at += every
-            print(f"tfmulti: this worker ({_me(cluster)}) is waiting for hostname(s) to "
-                  f"resolve: {names()}; {until(began, timeout_seconds)}.",
+            print(f"tfmulti: this worker ({_me(cluster)}) is waiting for "
+                  f"hostname(s) to resolve: {names()}; {until(began, timeout_seconds)}.",
                   file=sys.stderr, flush=True)
         time.sleep(min(_RETRY_SECONDS, max(0.0, deadline - now)))
     if pending:
@@ -217,8 +217,8 @@ def bounded_join(cluster, *, timeout_seconds: float):
     try:
         yield
         tasks = sum(len(a) for a in cluster.cluster.values())
-        print(f"tfmulti: this worker ({_me(cluster)}) {JOINED_MARKER} of {tasks} "
-              f"tasks after {time.monotonic() - began:.1f} s.",
+        print(f"tfmulti: this worker ({_me(cluster)}) {JOINED_MARKER} of "
+              f"{tasks} tasks after {time.monotonic() - began:.1f} s.",
               file=sys.stderr, flush=True)
     finally:
         try:

@@ -82,8 +82,8 @@ def main(argv):
          f"and gave up: {detail}. Check that every worker started (and its "
          "log for its own error), that the addresses in TF_CONFIG are right "
          "and reachable, and that every worker runs the same job. The bound "
-         f"is {startup.BOUND_NAMES}; the worker is killed (SIGKILL: TensorFlow ignores "
-         "SIGTERM while it waits).")
+         f"is {startup.BOUND_NAMES}; the worker is killed (SIGKILL: "
+         "TensorFlow ignores SIGTERM while it waits).")
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
