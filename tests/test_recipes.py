@@ -169,6 +169,14 @@ def test_bad_flag_values_say_what_is_allowed(args, message):
         _parse(*args)
 
 
+def test_startup_timeout_flag_reaches_the_config():
+    assert _parse("--startup_timeout=30").startup_timeout == 30
+    assert _parse().startup_timeout is None  # $TFMULTI_STARTUP_TIMEOUT, 600
+    with pytest.raises(ValueError, match=re.escape(
+            "`startup_timeout` should be positive seconds, got 0.0.")):
+        _parse("--startup_timeout=0")
+
+
 def test_inconsistent_flags_are_a_usage_error():
     with pytest.raises(ValueError, match="`cpu_replicas`=2 and `num_gpus`=1"):
         _parse("--cpu_replicas=2", "--num_gpus=1")

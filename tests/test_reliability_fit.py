@@ -1,10 +1,15 @@
 """Keras `fit` with tfmulti's BackupAndRestore: SIGTERM backs up the current
 batch and exits with the preemption code, and the resumed fit ends with the
 weights of an uninterrupted one; a NaN loss stops with the batch and leaves
-only finite backups. One device, in process."""
+only finite backups (one device, in process); and a 2-worker fit under
+tfmulti-launch, SIGKILLed at random times, resumes to the golden weights."""
 
+import json
 import os
+import random
 import signal
+import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -12,6 +17,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.subproc import run_python  # noqa: E402
 from tfmulti import exit_codes  # noqa: E402
 from tfmulti.keras.backup import BackupAndRestore  # noqa: E402
 from tfmulti.training import Checkpointer, NonFiniteLossError  # noqa: E402
@@ -81,3 +87,51 @@ def test_nan_loss_stops_with_the_batch_and_no_nan_backup(tmp_path):
                             optimizer=restored.optimizer).restore()
     assert (position.epoch, position.batch, position.step) == (0, 2, 2)
     assert all(np.all(np.isfinite(w.numpy())) for w in restored.weights)
+
+
+KILL_RUNS = 3
+BATCH_SECONDS = 0.1  # 3 epochs x 8 batches: a fit of at least 2.4 s
+WORKER = "tests/workers/keras_backup_worker.py"
+
+
+@pytest.mark.slow
+def test_two_worker_fit_sigkilled_at_random_times_resumes_to_golden(
+        tmp_path):
+    """`tfmulti.keras.distributed(model).fit` on 2 workers with tfmulti's
+    BackupAndRestore (every 3 batches), under tfmulti-launch: a random
+    worker gets SIGKILL from a timer thread at a random time of its fit
+    (0.3-2.2 s after its first batch, of at least 2.3 s left: inside a
+    step, an all-reduce or a backup write alike); the restarted
+    group resumes from the last backup and ends with the weights of an
+    uninterrupted one-device run over the same global batches."""
+    golden_out = tmp_path / "golden.json"
+    run_python([WORKER, str(golden_out), "one_device", "-", "-"],
+               timeout=240)
+    golden = json.loads(golden_out.read_text())
+    rng = random.Random()
+    for run in range(KILL_RUNS):
+        work = tmp_path / f"run{run}"
+        worker, seconds = rng.randrange(2), rng.uniform(0.3, 2.2)
+        env = dict(os.environ, TFMULTI_TEST_SIGKILL=f"{worker}:{seconds}",
+                   TFMULTI_TEST_BATCH_SECONDS=str(BATCH_SECONDS),
+                   TF_CPP_MIN_LOG_LEVEL="3")
+        result = subprocess.run(
+            [sys.executable, "-m", "tfmulti.launch", "--workers", "2",
+             "--max_restarts", "1", "--timeout", "400", "--",
+             sys.executable, WORKER, str(work / "out-{index}.json"),
+             "multi_worker", str(work / "model"), str(work / "scratch")],
+            capture_output=True, text=True, timeout=460, env=env)
+        where = f"run {run}: SIGKILL to worker {worker} after {seconds:.2f} s"
+        assert result.returncode == 0, (where, result.stderr[-3000:])
+        assert (f"worker {worker} was killed by SIGKILL; restarting all 2 "
+                "workers") in result.stderr, (where, result.stderr[-3000:])
+        final = [json.loads((work / f"out-{i}.json").read_text())
+                 for i in range(2)]
+        print(f"{where}: resumed at (epoch, batch) {final[0]['restored']}")
+        # The kill came after the first backup (3 batches, 0.3 s): the
+        # group resumed from one, not from the start.
+        assert final[0]["restored"] is not None, where
+        for out in final:
+            assert out["iterations"] == golden["iterations"], where
+            for a, b in zip(out["weights"], golden["weights"]):
+                np.testing.assert_allclose(a, b, atol=1e-5, err_msg=where)

@@ -20,29 +20,97 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                   reduction=None)
 
 
-def test_mixed_float16_overflowing_every_step_stops_naming_the_cause():
+def _float16_trainer(loss, model_dir=None, **kwargs):
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)),
                                       keras.layers.Dense(3)])
-            trainer = tfmulti.Trainer(model, keras.optimizers.SGD(0.1),
-                                      loss=LOSS, steps_per_loop=10)
+            return tfmulti.Trainer(
+                model, keras.optimizers.SGD(0.1), loss=loss,
+                mixed_precision="mixed_float16",
+                model_dir=model_dir and str(model_dir), **kwargs)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_float16_overflowing_every_step_stops_naming_the_cause():
+    # Skips add up over loops of 10: the error after the third.
+    trainer = _float16_trainer(LOSS, steps_per_loop=10)
+    model = trainer.model
     before = [w.numpy().copy() for w in model.weights]
     # 1e5 is beyond float16's 65504: inf on every step, whatever the scale.
     x = np.full((64, 4), 1e5, "float32")
     data = tf.data.Dataset.from_tensor_slices(
         (x, np.zeros(64, "int32"))).repeat().batch(8, drop_remainder=True)
     with pytest.raises(numerics.NonFiniteLossError, match=(
-            r"The last 30 updates \(up to step 30\) were all skipped because "
+            r"The last 30 updates \(steps 1-30\) were all skipped because "
             r"the loss or its gradients were NaN or inf with the loss scale "
             r"down to .*This is not the learning rate")):
         trainer.fit(data, steps=100, verbose=0)
     for old, new in zip(before, model.weights):
         np.testing.assert_array_equal(old, new.numpy())
+
+
+def _overflowing_gradient_loss(y, logits):
+    # Finite loss; the gradient of sqrt at 0 is inf whatever the loss
+    # scale, so every update is skipped while every logged loss is finite.
+    zero = tf.nn.relu(logits) * tf.constant(0.0, logits.dtype)
+    return LOSS(y, logits) + tf.cast(tf.reduce_sum(tf.sqrt(zero), -1),
+                                     tf.float32)
+
+
+@pytest.mark.parametrize("x, loss", [
+    # The loss itself overflows float16 on every step (inf).
+    (1e5, LOSS),
+    # Only the gradients do: finite losses, every update skipped.
+    (1.0, _overflowing_gradient_loss),
+], ids=["loss_overflows", "gradient_overflows"])
+def test_float16_run_that_skips_every_update_stops_with_no_checkpoint(
+        tmp_path, x, loss):
+    """Issue 29's case: mixed_float16, steps_per_loop=50,
+    checkpoint_every=50 and a loss that overflows float16 on every step
+    used to save ckpt-50 and ckpt-100 and go on. The scale halved on each
+    of the 50 steps: 2**15 / 2**50."""
+    trainer = _float16_trainer(loss, tmp_path, steps_per_loop=50)
+    before = [w.numpy().copy() for w in trainer.model.weights]
+    data = tf.data.Dataset.from_tensor_slices((
+        np.full((64, 4), x, "float32"), np.zeros(64, "int32"))).repeat(
+        ).batch(8, drop_remainder=True)
+    with pytest.raises(numerics.NonFiniteLossError, match=(
+            r"^The last 50 updates \(steps 1-50\) were all skipped because "
+            r"the loss or its gradients were NaN or inf with the loss scale "
+            r"down to 2\.91038e-11: training makes no progress and would end "
+            r"with untrained weights; no checkpoint was written from a skipped "
+            r"step\.")) as e:
+        trainer.fit(data, steps=200, checkpoint_every=50, verbose=0)
+    assert e.value.step == 50
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ckpt")]
+    for old, new in zip(before, trainer.model.weights):
+        np.testing.assert_array_equal(old, new.numpy())
+
+
+def test_no_checkpoint_from_a_skipped_step_under_loss_scaling(tmp_path,
+                                                              capsys):
+    """A NaN batch every 26 steps (24, 50, 76): those updates are skipped
+    (loss scaling); the save due after step 50 waits for the next loop
+    that ends on a finite loss (75), not for the next 50 steps."""
+    trainer = _float16_trainer(LOSS, tmp_path, steps_per_loop=25)
+    x = np.random.default_rng(0).normal(size=(26 * 8, 4)).astype("float32")
+    x[23 * 8] = np.nan
+    data = tf.data.Dataset.from_tensor_slices(
+        (x, np.zeros(len(x), "int32"))).repeat().batch(8, drop_remainder=True)
+    history = trainer.fit(data, steps=100, checkpoint_every=50, verbose=1)
+    losses = np.asarray(history["step_loss"])
+    assert list(np.flatnonzero(~np.isfinite(losses)) + 1) == [24, 50, 76]
+    assert "not saving a checkpoint at step 50: its loss is nan (update " \
+        "skipped); saving after the next loop that ends on a finite loss" \
+        in capsys.readouterr().out
+    saved = sorted(int(n.split("-")[1].split(".")[0])
+                   for n in os.listdir(tmp_path)
+                   if n.startswith("ckpt-") and n.endswith(".index"))
+    assert saved == [75, 100]
 
 
 @pytest.mark.parametrize("clip", [float("inf"), float("nan")])

@@ -16,8 +16,10 @@ Checks, in order, each printed as one `ok` / `FAIL` line:
   steps of a small model on one device and on N replicas (N GPUs, else N
   simulated CPU devices), with `tfmulti.Trainer` and with Keras `fit`
   through `tfmulti.keras.distributed`; the max weight difference must be
-  within the tolerance. Each device layout runs in its own process
-  (TensorFlow fixes it once per process), both at once.
+  within the tolerance, and training must have moved the weights (an
+  update that does nothing would otherwise match itself). Each device
+  layout runs in its own process (TensorFlow fixes it once per process),
+  both at once.
 
 Exit status 0 only when every check passes; otherwise 1, and the last line
 names the failed checks.
@@ -47,6 +49,10 @@ _CLUSTER_ENV = ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS",
 _SELFCHECK_STEPS = 8
 _SELFCHECK_BATCH = 16
 _SELFCHECK_TIMEOUT_SECONDS = 150
+_SELFCHECK_LEARNING_RATE = 0.1
+# The self-check's 8 SGD steps move some weight by ~0.1 (measured); an
+# update that moves none by this much did nothing.
+_MIN_WEIGHT_CHANGE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +84,10 @@ def _satisfies(version: str, spec: str) -> bool:
     return SpecifierSet(spec).contains(version, prereleases=True)
 
 
-def check_versions() -> Result:
-    """Installed versions against tfmulti's declared ranges."""
-    ranges = _requirements()
+def check_versions(ranges: dict[str, str] | None = None) -> Result:
+    """Installed versions against tfmulti's declared ranges (or `ranges`:
+    {package: specifier})."""
+    ranges = _requirements() if ranges is None else ranges
     found, bad = [], []
     for package in _PACKAGES:
         try:
@@ -195,8 +202,11 @@ def check_cluster(environ=None) -> Result:
     return Result("cluster", True, detail)
 
 
-def _selfcheck_worker(replicas: int, use_gpus: bool, out: str) -> None:
-    """Trains the self-check model with the Trainer and with fit; saves both."""
+def _selfcheck_worker(replicas: int, use_gpus: bool, out: str,
+                      learning_rate: float = _SELFCHECK_LEARNING_RATE
+                      ) -> None:
+    """Trains the self-check model with the Trainer and with fit; saves the
+    weights before (`<name>0_<i>`) and after (`<name>_<i>`) each."""
     from tfmulti import devices
     if replicas > 1 and not use_gpus:
         devices.simulate_devices(replicas)
@@ -229,11 +239,12 @@ def _selfcheck_worker(replicas: int, use_gpus: bool, out: str) -> None:
         model = keras.Sequential([keras.Input((8,)),
                                   keras.layers.Dense(16, activation="relu"),
                                   keras.layers.Dense(4)])
-        return model, keras.optimizers.SGD(0.1, momentum=0.9)
+        return model, keras.optimizers.SGD(learning_rate, momentum=0.9)
 
     results = {}
     with strategy.scope():
         model, optimizer = model_and_optimizer()
+    results["trainer0"] = model.get_weights()
     training.Trainer(
         model, optimizer, strategy=strategy, steps_per_loop=4,
         loss=keras.losses.SparseCategoricalCrossentropy(
@@ -245,6 +256,7 @@ def _selfcheck_worker(replicas: int, use_gpus: bool, out: str) -> None:
         model.compile(optimizer=optimizer, steps_per_execution=4,
                       loss=keras.losses.SparseCategoricalCrossentropy(
                           from_logits=True))
+    results["fit0"] = model.get_weights()
     tfmulti_keras.distributed(model).fit(
         batches(), epochs=1, steps_per_epoch=_SELFCHECK_STEPS, verbose=0)
     results["fit"] = model.get_weights()
@@ -257,9 +269,26 @@ def _gpu_count() -> int:
     return len(tf.config.list_physical_devices("GPU"))
 
 
+def _moved(weights, name):
+    """Largest change of any weight of run `name` between before and after."""
+    import numpy as np
+    return max(float(np.max(np.abs(weights[k] - weights[f"{name}0_" + k[
+        len(name) + 1:]]))) for k in weights.files
+        if k.startswith(f"{name}_"))
+
+
 def check_equivalence(replicas: int, tolerance: float,
-                      names=("trainer", "fit")) -> list[Result]:
-    """The self-check: one device vs `replicas`, in two processes at once."""
+                      names=("trainer", "fit"), *,
+                      learning_rates=None) -> list[Result]:
+    """The self-check: one device vs `replicas`, in two processes at once.
+
+    Args:
+      replicas: N, the replicas compared with one device.
+      tolerance: the largest weight difference allowed.
+      names: which self-checks ("trainer", "fit").
+      learning_rates: {1: lr, N: lr}, to break a run on purpose (doctor's
+        own test); default the self-check's 0.1 for both.
+    """
     import numpy as np
     gpus = _gpu_count()
     use_gpus = gpus >= replicas > 1
@@ -271,7 +300,9 @@ def check_equivalence(replicas: int, tolerance: float,
         outs = {n: os.path.join(tmp, f"{n}.npz") for n in (1, replicas)}
         procs = {n: subprocess.Popen(
             [sys.executable, "-m", "tfmulti.doctor", "_selfcheck", str(n),
-             str(int(use_gpus)), out], env=env, stdout=subprocess.PIPE,
+             str(int(use_gpus)), out, str((learning_rates or {}).get(
+                 n, _SELFCHECK_LEARNING_RATE))], env=env,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
             for n, out in outs.items()}
         failures = {}
@@ -302,10 +333,26 @@ def check_equivalence(replicas: int, tolerance: float,
             keys = [k for k in golden.files if k.startswith(f"{name}_")]
             diff = max(float(np.max(np.abs(golden[k] - distributed[k])))
                        for k in keys)
-            results.append(Result(
-                name, diff <= tolerance,
-                f"{layout} vs 1 device, {_SELFCHECK_STEPS} steps: max weight "
-                f"difference {diff:.1e} (tolerance {tolerance:.0e})"))
+            moved = {n: _moved(w, name) for n, w in ((1, golden),
+                                                      (replicas, distributed))}
+            still = [f"{n} device(s): {m:.1e}" for n, m in moved.items()
+                     if not m >= _MIN_WEIGHT_CHANGE]
+            detail = (f"{layout} vs 1 device, {_SELFCHECK_STEPS} steps: max "
+                      f"weight difference {diff:.1e} (tolerance "
+                      f"{tolerance:.0e}); weights moved by up to "
+                      f"{moved[1]:.1e}")
+            if diff > tolerance:
+                detail += (f". The {replicas} replicas train differently from "
+                           "one device: this install's distributed step is "
+                           "wrong (see docs/conformance.md)")
+            if still:
+                detail += (f". Training did not move the weights (largest "
+                           f"change on {', '.join(still)}; at least "
+                           f"{_MIN_WEIGHT_CHANGE:g} expected): an update that "
+                           "does nothing would pass the comparison, so it "
+                           "proves nothing")
+            results.append(Result(name, diff <= tolerance and not still,
+                                  detail))
     return results
 
 
@@ -356,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `tfmulti` (subcommand `doctor`) and of this module."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_selfcheck"]:
-        _selfcheck_worker(int(argv[1]), bool(int(argv[2])), argv[3])
+        _selfcheck_worker(int(argv[1]), bool(int(argv[2])), argv[3],
+                          *map(float, argv[4:5]))
         return 0
     if argv[:1] == ["doctor"]:
         argv = argv[1:]

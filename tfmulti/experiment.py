@@ -60,6 +60,7 @@ class ExperimentConfig:
     num_gpus: int | None = None
     all_reduce: str = "auto"
     pack_bytes: int | None = None
+    startup_timeout: float | None = None
     allreduce_dtype: str | None = None
     dataset: str = DEFAULT_DATASET
     data_dir: str | None = None
@@ -105,6 +106,10 @@ class ExperimentConfig:
                 f"`micro_batches`={self.micro_batches} needs "
                 "`pipeline_stages` > 1; for micro-batches on one model, use "
                 "grad_accum_steps.", flag="micro_batches")
+        if self.startup_timeout is not None and not self.startup_timeout > 0:
+            raise ConfigError(f"`startup_timeout` should be positive seconds, "
+                              f"got {self.startup_timeout!r}.",
+                              flag="startup_timeout")
         if self.model_dir == "":
             raise ConfigError("`model_dir` is empty; give a directory for "
                               "checkpoints, events and metrics.json, or "
@@ -333,7 +338,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         return recipe.train_and_evaluate(config, run=run)
     strategy = strategies.create_strategy(
         config.strategy, num_gpus=config.num_gpus,
-        all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
+        all_reduce=config.all_reduce, pack_bytes=config.pack_bytes,
+        startup_timeout_seconds=config.startup_timeout)
     _check_batch(config, strategy.num_replicas_in_sync)
     is_chief = cluster_lib.of_strategy(strategy).is_chief
 

@@ -61,6 +61,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "this many bytes (a positive number) for the "
                          "all-reduce; default: TensorFlow's packing.",
                          lower_bound=1, **fv)
+    flags.DEFINE_float("startup_timeout", None, "Seconds a multi-worker "
+                       "job's worker waits for its peers to resolve and to "
+                       "join (it reports what it waits for meanwhile); "
+                       "default: $TFMULTI_STARTUP_TIMEOUT (tfmulti-launch "
+                       "sets 120), else 600.", **fv)
     flags.DEFINE_enum("allreduce_dtype", "float32", list(_ALLREDUCE_DTYPES),
                       "Dtype gradients travel in during the all-reduce.", **fv)
     flags.DEFINE_string("dataset", experiment.DEFAULT_DATASET,
@@ -137,7 +142,7 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
     return experiment.ExperimentConfig(
         strategy=f.strategy, cpu_replicas=f.cpu_replicas,
         num_gpus=f.num_gpus, all_reduce=f.all_reduce,
-        pack_bytes=f.pack_bytes,
+        pack_bytes=f.pack_bytes, startup_timeout=f.startup_timeout,
         allreduce_dtype=None if f.allreduce_dtype == "float32"
         else f.allreduce_dtype,
         dataset=f.dataset, data_dir=f.data_dir,

@@ -7,7 +7,11 @@ Each worker gets its own TF_CONFIG on free ports (loopback unless `--host`
 says otherwise), and every line it prints is prefixed with `[wI]`. A worker
 that fails takes the group down: MultiWorkerMirroredStrategy cannot continue
 with a peer missing, so the whole group is restarted (the job resumes from its
-checkpoints) while restarts remain. SIGINT or SIGTERM to the launcher sends
+checkpoints) while restarts remain. Workers wait at most 120 s for their peers
+at start-up (`TFMULTI_STARTUP_TIMEOUT`, unless set); a worker that fails
+before every worker has printed `tfmulti: ... joined the cluster` has its
+peers killed at once (they wait in TensorFlow's join, which ignores SIGTERM)
+and its last error line quoted. SIGINT or SIGTERM to the launcher sends
 SIGTERM (the preemption signal) to every worker, which gets the grace period
 to save; a second SIGINT/SIGTERM kills them at once. If the launcher itself
 dies without cleaning up (SIGKILL, OOM kill), `tfmulti/reaper.py` stops the
@@ -28,9 +32,11 @@ parameter server does, and the group is restarted.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -42,6 +48,7 @@ import time
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes
 from tfmulti import rundir
+from tfmulti import startup
 
 # How long a worker gets to exit after SIGTERM before it is killed; long
 # enough for a preemption checkpoint of a small model.
@@ -50,6 +57,15 @@ _GRACE_SECONDS = 30.0
 # are only given time to exit cleanly.
 _FAILURE_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.1
+# The launcher's workers start together on one machine: a peer that has not
+# joined within this long is not coming (`create_strategy`'s own default,
+# 600 s, is for clusters whose hosts start minutes apart).
+STARTUP_TIMEOUT_SECONDS = 120
+# Lines of each worker's output kept to quote its error when it fails.
+_TAIL_LINES = 50
+# The last line of a Python traceback: "ValueError: ...", "tfmulti.X: ...".
+_ERROR_LINE = re.compile(rb"^[A-Za-z_][\w.]*(Error|Exception|Exit|"
+                         rb"Interrupt)\b")
 ATTEMPT_ENV = "TFMULTI_LAUNCH_ATTEMPT"
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "reaper.py")
@@ -113,6 +129,9 @@ class _Group:
         self._reaper = reaper
         self.roles = []
         self._relays = []
+        self.tails = []
+        # Indices of the workers that said they joined the cluster.
+        self.joined = set()
         for tf_config in cluster_lib.local_cluster(
                 options.workers, host=options.host, num_ps=options.ps):
             task = tf_config["task"]
@@ -121,6 +140,8 @@ class _Group:
             self.roles.append(task["type"])
             env = dict(os.environ, TF_CONFIG=json.dumps(tf_config),
                        PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+            env.setdefault(startup.STARTUP_TIMEOUT_ENV,
+                           str(STARTUP_TIMEOUT_SECONDS))
             # Own session: the worker and anything it starts are one process
             # group that can be signalled and killed as a whole.
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -128,8 +149,11 @@ class _Group:
                                     start_new_session=True)
             self.procs.append(proc)
             reaper.watch(proc.pid)
-            relay = threading.Thread(target=_relay, args=(proc, index),
-                                     daemon=True)
+            self.tails.append(collections.deque(maxlen=_TAIL_LINES))
+            relay = threading.Thread(
+                target=_relay, args=(proc, index, self.tails[-1],
+                                     lambda i=len(self.procs) - 1:
+                                     self.joined.add(i)), daemon=True)
             relay.start()
             self._relays.append(relay)
 
@@ -148,6 +172,27 @@ class _Group:
                 index = i - self.roles.index(self.roles[i])
                 return f"{self.roles[i]} {index}", code
         return None
+
+    def in_startup(self):
+        """True while some worker of a multi-worker job has not joined.
+
+        Its peers then wait inside TensorFlow's join, where SIGTERM is
+        ignored and there is nothing to save, so they are killed at once.
+        """
+        return "chief" not in self.roles and len(self.joined) < len(
+            self.procs)
+
+    def error_of(self, name):
+        """The last error line `name` ("worker 1") printed, or None."""
+        role, _, index = name.partition(" ")
+        i = [j for j, r in enumerate(self.roles) if r == role][
+            int(index) if index.isdigit() else 0]
+        self._relays[i].join(timeout=5)  # its last lines, up to EOF
+        lines = list(self.tails[i])
+        errors = [ln for ln in lines if _ERROR_LINE.match(ln)]
+        if not (errors or lines):
+            return None
+        return (errors or lines)[-1].decode(errors="replace").strip()
 
     def all_succeeded(self):
         if "chief" in self.roles:
@@ -215,12 +260,16 @@ class _Reaper:
         self._proc.wait()
 
 
-def _relay(proc, index):
+def _relay(proc, index, tail, on_joined):
     prefix = (f"[w{index}] " if isinstance(index, int) else
               f"[{index}] ").encode()
+    marker = startup.JOINED_MARKER.encode()
     for line in iter(proc.stdout.readline, b""):
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
+        tail.append(line)
+        if marker in line and line.startswith(b"tfmulti: "):
+            on_joined()
     proc.stdout.close()
 
 
@@ -298,6 +347,7 @@ def launch(command: list[str], options: LaunchOptions, *,
     try:
         for attempt in range(options.max_restarts + 1):
             group = _Group(command, options, attempt, reaper)
+            grace = min(options.grace_seconds, _FAILURE_GRACE_SECONDS)
             try:
                 while True:
                     if received:
@@ -314,6 +364,14 @@ def launch(command: list[str], options: LaunchOptions, *,
                         _say(f"stopped by {name}")
                         return 128 + received[0]
                     failure = group.first_failure()
+                    if failure and group.in_startup():
+                        grace = 0.0
+                        _say(f"{failure[0]} {_describe(failure[1])} during "
+                             "start-up, before the cluster formed: "
+                             f"{group.error_of(failure[0]) or 'no output'}; "
+                             f"stopping the other {len(group.running())} "
+                             "process(es) at once (SIGKILL: they wait for it "
+                             "inside TensorFlow, with nothing to save)")
                     if failure or group.all_succeeded():
                         break
                     if deadline is not None and time.monotonic() > deadline:
@@ -329,8 +387,7 @@ def launch(command: list[str], options: LaunchOptions, *,
                         return 124
                     time.sleep(_POLL_SECONDS)
             finally:
-                group.stop(min(options.grace_seconds,
-                               _FAILURE_GRACE_SECONDS))
+                group.stop(grace)
                 if summary is not None:
                     summary.update(attempts=attempt + 1, codes=[
                         p.returncode for p in group.procs])
@@ -384,9 +441,12 @@ def _parser():
         usage="tfmulti-launch --workers N [--ps P] [--max_restarts R] "
               "[--timeout S] [--host H] -- COMMAND ...",
         epilog="Workers see TF_CONFIG, TFMULTI_LAUNCH_ATTEMPT (0 for the "
-        "first group, then 1, 2, ... after restarts) and TFMULTI_RUN_ID "
+        "first group, then 1, 2, ... after restarts), TFMULTI_RUN_ID "
         "(the same for all workers and restarts; the recipes name their "
-        "default run directory with it). SIGINT/SIGTERM send SIGTERM to "
+        "default run directory with it) and TFMULTI_STARTUP_TIMEOUT=120 "
+        "(unless set: how long a worker waits for its peers to join). A "
+        "worker that fails before every worker joined stops the others at "
+        "once, and its error is quoted. SIGINT/SIGTERM send SIGTERM to "
         "every worker, which gets 30 s to save and exit (a second one kills "
         "them now); workers die with the launcher, however it dies. Exit status: 0 "
         "when every worker of one group exited 0; 124 on --timeout; "

@@ -104,9 +104,11 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         SLURM or Kubernetes from the environment).
       startup_timeout_seconds: multi_worker: how long to wait for the
         peers' hostnames to resolve and for the cluster to form, each;
-        default `startup.DEFAULT_STARTUP_TIMEOUT_SECONDS` (600). A worker
-        that waits longer is killed (SIGKILL) after printing which peers
-        did not answer.
+        default $TFMULTI_STARTUP_TIMEOUT (`tfmulti-launch` sets 120), else
+        `startup.DEFAULT_STARTUP_TIMEOUT_SECONDS` (600). While it waits the
+        worker prints, after 5 s and then every 30 s, what it waits for and
+        for how much longer; a worker that waits longer is killed
+        (SIGKILL) after printing which peers did not answer.
 
     Returns:
       A `tf.distribute.Strategy`. For multi_worker it is a subclass of
@@ -132,11 +134,8 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
                 value, (int, float)) or not value > 0):
             raise ValueError(f"`{arg}` should be a positive number, "
                              f"`math.inf` or None, got {value!r}.")
-    if startup_timeout_seconds is None:
-        startup_timeout_seconds = startup.DEFAULT_STARTUP_TIMEOUT_SECONDS
-    if not startup_timeout_seconds > 0:
-        raise ValueError(f"`startup_timeout_seconds` should be positive, got "
-                         f"{startup_timeout_seconds!r}.")
+    startup_timeout_seconds = startup.startup_timeout_seconds(
+        startup_timeout_seconds)
     if cluster is None:
         cluster = cluster_lib.cluster_config()
     if name == "auto" and cluster.num_ps:

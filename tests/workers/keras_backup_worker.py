@@ -7,11 +7,19 @@ TFMULTI_TEST_EXIT_AT="EPOCH:end" or "EPOCH:BATCH" (0-based) makes the
 process exit with status 3 right after that epoch or batch, as a killed job
 would: no cleanup, no Python exit handlers. TFMULTI_TEST_DEVICES=N splits
 the CPU into N logical devices first (for STRATEGY=mirrored).
+TFMULTI_TEST_SIGKILL="WORKER:SECONDS": on the first attempt of a
+tfmulti-launch group, worker WORKER gets SIGKILL from a timer thread SECONDS
+after its first batch ended, wherever its main thread is (inside a step, an
+all-reduce or a backup write). TFMULTI_TEST_BATCH_SECONDS=S sleeps S after
+each batch, so that a fit lasts long enough to be killed at a random time.
 """
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -35,6 +43,32 @@ BACKUP_FREQ = 3
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 8)).astype("float32")
 y = rng.integers(0, 3, size=(256,)).astype("int32")
+
+
+class SigkillAfter(keras.callbacks.Callback):
+    """SIGKILLs this process SECONDS after its first batch (a timer)."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        # From the first batch's end: tracing and the first step take
+        # seconds on a loaded machine, and a kill there tests nothing.
+        if self.seconds is not None:
+            print(f"FAULT SIGKILL in {self.seconds:.2f} s", flush=True)
+            threading.Timer(self.seconds, os.kill,
+                            (os.getpid(), signal.SIGKILL)).start()
+            self.seconds = None
+
+
+class SlowBatches(keras.callbacks.Callback):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(self.seconds)
 
 
 class ExitAt(keras.callbacks.Callback):
@@ -80,6 +114,13 @@ callbacks = []
 if model_dir != "-":
     callbacks = tfmulti.keras.callbacks(model_dir, backup_freq=BACKUP_FREQ,
                                         temp_root=temp_root)
+kill = os.environ.get("TFMULTI_TEST_SIGKILL", "")
+if kill and os.environ.get("TFMULTI_LAUNCH_ATTEMPT") == "0" and int(
+        kill.split(":")[0]) == cluster.task_index:
+    callbacks.append(SigkillAfter(float(kill.split(":")[1])))
+if os.environ.get("TFMULTI_TEST_BATCH_SECONDS"):
+    callbacks.append(SlowBatches(float(os.environ[
+        "TFMULTI_TEST_BATCH_SECONDS"])))
 if os.environ.get("TFMULTI_TEST_EXIT_AT"):
     callbacks.append(ExitAt(os.environ["TFMULTI_TEST_EXIT_AT"]))
 

@@ -14,27 +14,56 @@ from tfmulti.training import preemption
 from tfmulti.training.controller import Action, LoopResult, Schedule
 
 
+class _OrPending:
+    """`schedule`, and also every loop while a deferred save is pending."""
+
+    def __init__(self, schedule: Schedule):
+        self._schedule = schedule
+        self.pending = False
+
+    def __getattr__(self, name):
+        return getattr(self._schedule, name)
+
+    def due(self, **kwargs) -> bool:
+        return self.pending or self._schedule.due(**kwargs)
+
+
 class SaveCheckpoint(Action):
     """Saves a checkpoint of the position `position(step, loss_finite)`.
+
+    Never from a step whose loss was not finite (an update skipped under
+    loss scaling, or with `on_nonfinite="skip"`): that save is put off to
+    the end of the next loop whose last loss is finite.
 
     Args:
       checkpointer: a `checkpoints.Checkpointer` (every worker calls it).
       position: `position(step, *, loss_finite) -> checkpoints.Position`.
       schedule: when to save.
+      say: prints the chief's line when a save is put off.
     """
 
-    def __init__(self, checkpointer, position, *, schedule: Schedule):
+    def __init__(self, checkpointer, position, *, schedule: Schedule,
+                 say=print):
         self._checkpointer = checkpointer
         self._position = position
-        self.schedule = schedule
+        self.schedule = _OrPending(schedule)
+        self._say = say
 
     def __call__(self, result: LoopResult) -> None:
         if self._checkpointer.last_saved_step == result.step:
             return
-        finite = not len(result.losses) or math.isfinite(
-            float(result.losses[-1]))
+        if len(result.losses) and not math.isfinite(
+                float(result.losses[-1])):
+            if not self.schedule.pending:
+                self._say(
+                    f"not saving a checkpoint at step {result.step}: its "
+                    f"loss is {float(result.losses[-1])} (update skipped); "
+                    "saving after the next loop that ends on a finite loss")
+            self.schedule.pending = True
+            return
+        self.schedule.pending = False
         self._checkpointer.save(self._position(result.step,
-                                               loss_finite=finite))
+                                               loss_finite=True))
 
 
 class Evaluate(Action):

@@ -295,9 +295,25 @@ def nonfinite_variables(variables) -> list[str]:
 MAX_CONSECUTIVE_SKIPS = 25
 
 
-def consecutive_skips(previous: int, losses) -> int:
-    """Skipped updates in a row at the end of `losses`, continuing `previous`."""
+# Below float16's smallest subnormal, every scaled float16 gradient flushes
+# to zero: the loss scale has collapsed and no update can carry information.
+MIN_LOSS_SCALE = 2.0**-24
+
+
+def consecutive_skips(previous: int, losses, applied: int | None = None
+                      ) -> int:
+    """Skipped updates in a row at the end of a loop, continuing `previous`.
+
+    Args:
+      previous: the count before this loop.
+      losses: the loop's per-step losses (a non-finite one was skipped).
+      applied: updates the optimizer applied in this loop (its
+        `iterations` advance), if known: 0 means every step was skipped,
+        also when the losses were finite and only the gradients overflowed.
+    """
     finite = np.isfinite(np.asarray(losses, np.float64))
+    if applied == 0 and finite.size:
+        return previous + finite.size
     if finite.all():
         return 0
     if not finite.any():
@@ -305,21 +321,36 @@ def consecutive_skips(previous: int, losses) -> int:
     return int(finite.size - 1 - np.flatnonzero(finite)[-1])
 
 
-def check_consecutive_skips(count: int, *, step: int, optimizer) -> None:
-    """Raises `NonFiniteLossError` once `count` reaches the bound.
-
-    The message names the loss scale reached, so the cause (an overflow the
-    scale cannot absorb, or NaN input) is not blamed on the learning rate.
-    """
-    if count < MAX_CONSECUTIVE_SKIPS:
-        return
+def _loss_scale(optimizer):
     scale = getattr(optimizer, "dynamic_scale", None)
+    return None if scale is None else float(np.asarray(scale))
+
+
+def check_consecutive_skips(count: int, *, step: int, optimizer) -> None:
+    """Raises `NonFiniteLossError` once `count` reaches the bound, or the
+    loss scale has collapsed below `MIN_LOSS_SCALE`.
+
+    The message names the loss scale reached and the steps skipped, so the
+    cause (an overflow the scale cannot absorb, or NaN input) is not blamed
+    on the learning rate.
+    """
+    scale = _loss_scale(optimizer)
+    collapsed = scale is not None and scale < MIN_LOSS_SCALE
+    if count < MAX_CONSECUTIVE_SKIPS and not collapsed:
+        return
     scale_text = "" if scale is None else (
-        f" with the loss scale down to {float(np.asarray(scale)):g}")
+        f" with the loss scale down to {scale:g}")
+    what = (f"The last {count} updates (steps {step - count + 1}-{step}) "
+            "were all skipped because the loss or its gradients were NaN or "
+            f"inf{scale_text}" if count >= MAX_CONSECUTIVE_SKIPS else
+            f"The loss scale collapsed to {scale:g} by step {step} (below "
+            f"{MIN_LOSS_SCALE:g}, float16's smallest value: every scaled "
+            f"gradient is zero), after {count} skipped update(s) in a row "
+            "and more before: the loss or its gradients overflow on most "
+            "steps")
     raise NonFiniteLossError(
-        f"The last {count} updates (up to step {step}) were all skipped "
-        f"because the loss or its gradients were NaN or inf{scale_text}: "
-        "training makes no progress and would end with untrained weights. "
+        f"{what}: training makes no progress and would end with untrained "
+        "weights; no checkpoint was written from a skipped step. "
         "This is not the learning rate (no update was applied): the forward "
         "or backward pass itself overflows (under mixed_float16, values "
         "beyond float16's 65504: keep that layer or the loss in float32), "

@@ -550,6 +550,9 @@ class Trainer:
                 lengths[n] = tf.constant(n, tf.int32)
             if weight_check is not None:
                 weight_check.take(start)
+            # Applied updates advance it, skipped ones do not: a loop that
+            # skipped every update is seen even when its losses were finite.
+            iterations = int(self.optimizer.iterations.numpy())
             losses, metrics = train(iterator, lengths[n]) if (
                 self.metrics) else (train(iterator, lengths[n]), {})
             losses = losses.numpy()
@@ -557,8 +560,9 @@ class Trainer:
                 losses, first_step=start, on_nonfinite=on_nonfinite,
                 previous=history["step_loss"], weights=weight_check)
             elapsed = time.perf_counter() - began
-            skips_in_a_row[0] = numerics.consecutive_skips(skips_in_a_row[0],
-                                                           losses)
+            skips_in_a_row[0] = numerics.consecutive_skips(
+                skips_in_a_row[0], losses,
+                applied=int(self.optimizer.iterations.numpy()) - iterations)
             numerics.check_consecutive_skips(
                 skips_in_a_row[0], step=start + n, optimizer=self.optimizer)
             self._steps_done = start + n
@@ -636,8 +640,8 @@ class Trainer:
                     checkpoint_every is not None or eval_data is None) else (
                         eval_schedule)
             loop_actions.append(actions_lib.SaveCheckpoint(
-                checkpointer, position,
-                schedule=save_schedule))
+                checkpointer, position, schedule=save_schedule,
+                say=self._print))
             loop_actions.append(actions_lib.ExitOnPreemption(
                 preemption_watcher, checkpointer, position, say=self._print))
         return loop_actions
