@@ -41,6 +41,7 @@ import time
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes
+from tfmulti import quiet_logging
 from tfmulti import rundir
 
 # How long a worker gets to exit after SIGTERM before it is killed; long
@@ -113,6 +114,11 @@ class _Group:
         self._reaper = reaper
         self.roles = []
         self._relays = []
+        # TensorFlow's start-up lines are dropped from the workers' output
+        # (tfmulti.quiet_logging), unless the command asks for them.
+        quiet = not quiet_logging.wants_tensorflow_logs(command[1:])
+        logging_env = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get(
+            "TF_CPP_MIN_LOG_LEVEL", "1")} if quiet else {}
         for tf_config in cluster_lib.local_cluster(
                 options.workers, host=options.host, num_ps=options.ps):
             task = tf_config["task"]
@@ -120,7 +126,8 @@ class _Group:
                 "chief" if task["type"] == "chief" else f"ps{task['index']}")
             self.roles.append(task["type"])
             env = dict(os.environ, TF_CONFIG=json.dumps(tf_config),
-                       PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+                       PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)},
+                       **logging_env)
             # Own session: the worker and anything it starts are one process
             # group that can be signalled and killed as a whole.
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -128,7 +135,8 @@ class _Group:
                                     start_new_session=True)
             self.procs.append(proc)
             reaper.watch(proc.pid)
-            relay = threading.Thread(target=_relay, args=(proc, index),
+            relay = threading.Thread(target=_relay, args=(proc, index,
+                                                          quiet),
                                      daemon=True)
             relay.start()
             self._relays.append(relay)
@@ -215,10 +223,12 @@ class _Reaper:
         self._proc.wait()
 
 
-def _relay(proc, index):
+def _relay(proc, index, quiet):
     prefix = (f"[w{index}] " if isinstance(index, int) else
               f"[{index}] ").encode()
     for line in iter(proc.stdout.readline, b""):
+        if quiet and quiet_logging.is_noise(line):
+            continue
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
     proc.stdout.close()
