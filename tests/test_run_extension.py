@@ -147,6 +147,12 @@ def test_resume_may_move_the_end_and_records_each_end(tmp_path):
     ends = run.ends({**config, "steps": 8}, 8, "20260102-000000")
     assert [(e["steps"], e["total_steps"], e["set"]) for e in ends] == [
         (4, 4, "20260101-000000"), (8, 8, "20260102-000000")]
+    # --epochs moves the end as well (the steps it means are counted by the
+    # experiment, from the dataset's size).
+    run = opened(epochs=5)
+    assert run.resuming and run.finished_steps == 4
+    assert [e["epochs"] for e in run.ends({**config, "epochs": 5}, 780,
+                                          "20260103-000000")] == [3, 5]
     # What is trained still may not change.
     with pytest.raises(rundir.RunDirError, match="`seed`: saved 0, now 1"):
         opened(steps=8, seed=1)

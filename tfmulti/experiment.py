@@ -366,7 +366,15 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                      f"run directory: {model_dir}")
             print(f"{where} (to step {total_steps})" if run.resuming else
                   where, flush=True)
-            print(progress.device_line(strategy), flush=True)
+            print(progress.device_line(
+                replicas=strategy.num_replicas_in_sync,
+                device_type="GPU" if any(
+                    "GPU" in d.upper() for d in getattr(
+                        strategy.extended, "worker_devices", ())) else "CPU",
+                workers=cluster_lib.of_strategy(strategy).num_workers,
+                gpus_found=len(tf.config.list_physical_devices("GPU")),
+                asynchronous=parameter_server.is_parameter_server(strategy)),
+                flush=True)
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)

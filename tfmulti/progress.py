@@ -133,23 +133,26 @@ def _train_logs(logs) -> dict[str, float]:
             if not k.startswith("val_") and not hasattr(v, "__len__")}
 
 
-def device_line(strategy) -> str:
-    """What the run trains on, e.g. `2 CPU replicas, no GPU found`, `8 GPU
-    replicas on 2 workers` (TensorFlow's own note about missing CUDA
-    drivers is kept off the output; see `tfmulti.quiet_logging`)."""
-    import tensorflow as tf
-    devices = getattr(strategy.extended, "worker_devices", ()) or ()
-    kinds = sorted({(tf.DeviceSpec.from_string(d).device_type or "CPU")
-                    for d in devices}) or ["CPU"]
-    replicas = strategy.num_replicas_in_sync
-    line = (f"{replicas} {'/'.join(kinds)} "
-            f"replica{'s' if replicas != 1 else ''}")
-    workers = getattr(strategy.extended, "_num_workers", 1) or 1
-    if workers > 1:
-        line += f" on {workers} workers"
-    if not tf.config.list_physical_devices("GPU"):
-        line += ", no GPU found"
-    return line
+def device_line(*, replicas: int, device_type: str, workers: int = 1,
+                gpus_found: int = 0, asynchronous: bool = False) -> str:
+    """What the run trains on, e.g. `2 CPU replicas, no GPU found` or `16
+    GPU replicas on 2 workers` (it replaces TensorFlow's own note about
+    missing CUDA drivers, kept off the output by `tfmulti.quiet_logging`).
+
+    Args:
+      replicas: replicas in sync.
+      device_type: "CPU" or "GPU", what the replicas run on.
+      workers: worker processes.
+      gpus_found: GPUs this process sees.
+      asynchronous: a parameter-server run (workers train on their own).
+    """
+    if asynchronous:
+        line = f"{workers} asynchronous worker(s) and parameter servers"
+    else:
+        line = f"{replicas} {device_type} replica{'s' * (replicas != 1)}"
+        if workers > 1:
+            line += f" on {workers} workers"
+    return line + ("" if gpus_found else ", no GPU found")
 
 
 def summary(metrics: Mapping[str, Any], *, model_dir: str, wall_seconds: float,
