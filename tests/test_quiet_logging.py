@@ -32,6 +32,10 @@ NOISE = [
     "GeneratorDatasetOp::Dataset will not be optimized because the dataset "
     "does not implement the AsGraphDefInternal() method needed to apply "
     "optimizations.",
+    "E0000 00:00:1796407199.601101   30572 function_handle_cache.cc:31] "
+    "Failed to clear function handle cache: UNIMPLEMENTED: Releasing a "
+    "multi-device component handle on a remote device is not yet "
+    "implemented.",
 ]
 KEPT = [
     # A real warning and a real error: a user's cache().take().repeat(),
@@ -143,3 +147,23 @@ def test_real_tensorflow_warnings_and_errors_reach_the_user(tmp_path):
     assert "filtered: False" in out, out
     assert "WARNING: All log messages before absl::InitializeLog()" in out
     assert "failed call to cuInit" in out, out
+
+
+def test_the_launcher_drops_the_noise_from_any_worker_command():
+    """A worker that is not a recipe (no filter of its own) writes the
+    start-up lines and a real one; tfmulti-launch relays only the real one,
+    and gives the worker TF_CPP_MIN_LOG_LEVEL=1 unless it is set."""
+    worker = ("import os, sys; sys.stderr.write(sys.argv[1]); "
+              "print('level', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))")
+    lines = "".join(line + "\n" for line in [*NOISE, KEPT[0]])
+    env = {k: v for k, v in os.environ.items()
+           if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tfmulti.launch", "--workers", "1",
+         "--timeout", "60", "--", sys.executable, "-c", worker, lines],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    relayed = [line for line in done.stdout.splitlines()
+               if line.startswith("[w0] ")]
+    assert relayed == ["[w0] " + KEPT[0], "[w0] level 1"] or relayed == [
+        "[w0] level 1", "[w0] " + KEPT[0]], done.stdout

@@ -335,7 +335,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         config.strategy, num_gpus=config.num_gpus,
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
     _check_batch(config, strategy.num_replicas_in_sync)
-    is_chief = cluster_lib.of_strategy(strategy).is_chief
+    cluster = cluster_lib.of_strategy(strategy)
+    is_chief = cluster.is_chief
 
     import keras
     import tensorflow as tf
@@ -371,10 +372,10 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 device_type="GPU" if any(
                     "GPU" in d.upper() for d in getattr(
                         strategy.extended, "worker_devices", ())) else "CPU",
-                workers=cluster_lib.of_strategy(strategy).num_workers,
+                workers=len(cluster.cluster.get("worker", ())) if (
+                    cluster.num_ps) else cluster.num_workers,
                 gpus_found=len(tf.config.list_physical_devices("GPU")),
-                asynchronous=parameter_server.is_parameter_server(strategy)),
-                flush=True)
+                parameter_servers=cluster.num_ps), flush=True)
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)

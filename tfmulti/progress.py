@@ -134,7 +134,7 @@ def _train_logs(logs) -> dict[str, float]:
 
 
 def device_line(*, replicas: int, device_type: str, workers: int = 1,
-                gpus_found: int = 0, asynchronous: bool = False) -> str:
+                gpus_found: int = 0, parameter_servers: int = 0) -> str:
     """What the run trains on, e.g. `2 CPU replicas, no GPU found` or `16
     GPU replicas on 2 workers` (it replaces TensorFlow's own note about
     missing CUDA drivers, kept off the output by `tfmulti.quiet_logging`).
@@ -142,14 +142,19 @@ def device_line(*, replicas: int, device_type: str, workers: int = 1,
     Args:
       replicas: replicas in sync.
       device_type: "CPU" or "GPU", what the replicas run on.
-      workers: worker processes.
+      workers: processes that train.
       gpus_found: GPUs this process sees.
-      asynchronous: a parameter-server run (workers train on their own).
+      parameter_servers: in a parameter-server run (asynchronous), how many.
     """
-    if asynchronous:
-        line = f"{workers} asynchronous worker(s) and parameter servers"
+    def count(n, what):
+        return f"{n} {what}{'s' * (n != 1)}"
+
+    if parameter_servers:
+        line = (f"{count(workers, 'worker')} and "
+                f"{count(parameter_servers, 'parameter server')} "
+                "(asynchronous)")
     else:
-        line = f"{replicas} {device_type} replica{'s' * (replicas != 1)}"
+        line = count(replicas, f"{device_type} replica")
         if workers > 1:
             line += f" on {workers} workers"
     return line + ("" if gpus_found else ", no GPU found")

@@ -53,6 +53,12 @@ NOISE = tuple(re.compile(p) for p in (
     # of the user's pipeline is affected.
     r"W\d{4} [\d:.]+ +\d+ dataset\.cc:\d+\] Input of "
     r"GeneratorDatasetOp::Dataset will not be optimized",
+    # ParameterServerStrategy's coordinator, after each evaluation: a
+    # cleanup TensorFlow has not implemented for remote devices (a cached
+    # function handle stays until the process ends).
+    r"E\d{4} [\d:.]+ +\d+ function_handle_cache\.cc:\d+\] Failed to clear "
+    r"function handle cache: UNIMPLEMENTED: Releasing a multi-device "
+    r"component handle on a remote device is not yet implemented\.$",
 ))
 # Set in the environment once stderr is filtered: "<device>:<inode>" of the
 # pipe, so a child process that inherits the filtered stderr does not stack
