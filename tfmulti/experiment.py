@@ -547,15 +547,17 @@ def _check_end(config: ExperimentConfig, run: rundir.RunDir, loop: str,
     """
     if not run.resuming:
         return None
-    reached = run.finished_steps
-    if reached is None:
-        from tfmulti.training import checkpoints
-        reached = checkpoints.latest_step(os.path.join(
-            run.path, *(() if loop == "trainer" else (_backup_dir(),))))
+    from tfmulti.training import checkpoints
+    # The newest checkpoint; a finished run's metrics.json, if an extension
+    # of it was stopped before its first checkpoint.
+    steps = [s for s in (run.finished_steps, checkpoints.latest_step(
+        os.path.join(run.path, *(() if loop == "trainer" else (
+            _backup_dir(),))))) if s is not None]
+    reached = max(steps) if steps else None
     if reached is None or total_steps > reached or (
-            total_steps == reached and run.finished_steps is None):
+            total_steps == reached != run.finished_steps):
         # The last case: stopped after its last checkpoint, before writing
-        # metrics.json; it evaluates and writes them.
+        # metrics.json for it; it evaluates and writes them.
         return reached
     flag = "steps" if config.steps else "epochs"
     asked = (f"`--steps`={config.steps}" if config.steps else

@@ -223,7 +223,8 @@ def _lines(head, *, train, evaluation, metrics_file, model_dir, checkpoints,
         f"  train {format_metrics(train) or '(no step trained in this run)'}",
         f"  eval  {format_metrics(evaluation) or '(not run)'}"
         + (f" (at step {eval_step})" if eval_step is not None else ""),
-        f"  metrics:     {metrics_file or 'not written (the run did not end)'}",
+        "  metrics:     " + (metrics_file or
+                             "not written (the run did not end)"),
         f"  checkpoints: {checkpoints}",
         f"  TensorBoard: tensorboard --logdir {model_dir}",
     ]
