@@ -126,8 +126,11 @@ def quiet(argv: Iterable[str] | None = None) -> bool:
     if _is_filtered(os.environ):
         return True
     sys.stderr.flush()
+    try:
+        stderr = os.dup(2)
+    except OSError:
+        return False   # no stderr to filter (closed by a daemoniser)
     read, write = os.pipe()
-    stderr = os.dup(2)
     filter_proc = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__)],
         stdin=read, stdout=stderr, stderr=stderr, close_fds=True)
