@@ -7,11 +7,12 @@
 Flags and wiring only; the run is `tfmulti.experiment.train_and_evaluate`.
 """
 
-import os
+from tfmulti import quiet_logging
 
-# TensorFlow's C++ info lines (oneDNN, CPU features) on start; warnings and
-# errors still show. Set TF_CPP_MIN_LOG_LEVEL=0 to see them.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+if __name__ == "__main__":
+    # Before TensorFlow is imported: its start-up lines off, real warnings
+    # and errors kept; --verbosity shows everything.
+    quiet_logging.quiet()
 
 from absl import flags as absl_flags  # noqa: E402
 

@@ -82,6 +82,11 @@ def _check_output(out, model_dir, chief=""):
     # tfmulti's and TensorFlow's info logs only with --verbosity=0.
     assert "tfmulti: global batch" not in out, out
     chief = re.escape(chief)
+    # None of TensorFlow's start-up lines (tfmulti.quiet_logging; under
+    # tfmulti-launch, its relay too), whatever TF_CPP_MIN_LOG_LEVEL says.
+    assert not re.search(r"^(\[w\d\] )?(I0000 |WARNING: All log messages)",
+                         out, re.M), out
+    assert "cuInit" not in out and "GeneratorDatasetOp" not in out, out
     assert re.search(rf"^{chief}step 4/4 .* - loss \d.* examples/s - ETA ",
                      out, re.M), out
     assert re.search(rf"^{chief}done: 4 steps on \d replica", out, re.M), out

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from tfmulti import quiet_logging
+
 CHECKS = ("versions", "devices", "cluster", "trainer", "fit")
 _PACKAGES = ("tensorflow", "keras", "tensorflow-datasets", "absl-py")
 # Environment variables that describe a cluster: the self-check processes
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
               "`tfmulti doctor` (see --help).", file=sys.stderr)
         return 2
     args = _parser().parse_args(argv)
+    # Before the checks import TensorFlow: its start-up lines off.
+    quiet_logging.quiet([])
     if args.replicas < 2:
         _parser().error(f"`--replicas` is {args.replicas}; the self-check "
                         "compares N >= 2 replicas with one device.")

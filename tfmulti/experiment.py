@@ -341,7 +341,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         all_reduce=config.all_reduce, pack_bytes=config.pack_bytes,
         startup_timeout_seconds=config.startup_timeout)
     _check_batch(config, strategy.num_replicas_in_sync)
-    is_chief = cluster_lib.of_strategy(strategy).is_chief
+    cluster = cluster_lib.of_strategy(strategy)
+    is_chief = cluster.is_chief
 
     import keras
     import tensorflow as tf
@@ -352,19 +353,38 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
 
     versions = {"tfmulti": tfmulti.__version__, "tensorflow": tf.__version__,
                 "keras": keras.__version__}
+    examples_per_update = config.global_batch_size * config.grad_accum_steps
+    steps_per_epoch, total_steps = run_length(
+        config, examples_per_update=examples_per_update)
+    reached = _check_end(config, run, loop, total_steps)
     if is_chief:
-        if not run.resuming:
-            write_json_atomically(
-                os.path.join(model_dir, rundir.CONFIG_FILE),
-                {"config": _identity(config, loop), "versions": versions,
-                 "started": rundir.timestamp()})
+        now = rundir.timestamp()
+        saved = run.saved_config or {}
+        write_json_atomically(
+            os.path.join(model_dir, rundir.CONFIG_FILE),
+            {"config": _identity(config, loop),
+             "versions": saved.get("versions", versions),
+             "started": saved.get("started", now),
+             "ends": run.ends(_identity(config, loop), total_steps, now)})
         if verbose:
-            print(f"{'resuming' if run.resuming else 'run directory:'} "
-                  f"{model_dir}", flush=True)
+            where = (f"resuming {model_dir} at step {reached}"
+                     if run.resuming and reached else
+                     f"resuming {model_dir}" if run.resuming else
+                     f"run directory: {model_dir}")
+            print(f"{where} (to step {total_steps})" if run.resuming else
+                  where, flush=True)
+            print(progress.device_line(
+                replicas=strategy.num_replicas_in_sync,
+                device_type="GPU" if any(
+                    "GPU" in d.upper() for d in getattr(
+                        strategy.extended, "worker_devices", ())) else "CPU",
+                workers=len(cluster.cluster.get("worker", ())) if (
+                    cluster.num_ps) else cluster.num_workers,
+                gpus_found=len(tf.config.list_physical_devices("GPU")),
+                parameter_servers=cluster.num_ps), flush=True)
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
-    examples_per_update = config.global_batch_size * config.grad_accum_steps
     info, train, test, steps_per_epoch, total_steps = input_data(
         config, strategy, examples_per_update=examples_per_update)
     image_key, label_key = info.supervised_keys
@@ -390,65 +410,81 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         total_steps=total_steps,
         steps_per_epoch=min(total_steps, steps_per_epoch),
         examples_per_step=examples_per_update, is_chief=is_chief and verbose)
+    from tfmulti.keras import backup as backup_lib
+    checkpoints = (model_dir if loop == "trainer" else
+                   os.path.join(model_dir, backup_lib.CHECKPOINT_DIR))
     start = time.perf_counter()
-    if loop == "trainer":
-        trainer = tfmulti.Trainer(
-            model, optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True, reduction=None),
-            strategy=strategy, metrics=[accuracy],
-            grad_accum_steps=config.grad_accum_steps,
-            clip_global_norm=config.clip_global_norm,
-            allreduce_dtype=config.allreduce_dtype,
-            steps_per_loop=config.steps_per_loop,
-            mixed_precision=config.mixed_precision,
-            model_dir=model_dir, sync=sync, compression=compression)
-        history = trainer.fit(train, steps=total_steps, eval_data=test,
-                              eval_every=steps_per_epoch,
-                              global_batch_size=config.global_batch_size,
-                              callbacks=[progress_logger], verbose=0)
-        seconds = time.perf_counter() - start
-        evaluation = trainer.evaluate(test)
-        traffic = trainer.communication
-        final_train = {k: history[k][-1] for k in
-                       ("loss", *[m.name for m in trainer.metrics])
-                       if history.get(k)}
-        checkpoints = model_dir
-    else:
-        from tfmulti.keras import backup as backup_lib
-        with strategy.scope():
-            model.compile(
-                optimizer=optimizer,
+    try:
+        if loop == "trainer":
+            trainer = tfmulti.Trainer(
+                model, optimizer,
                 loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True),
-                # Weighted: eval batches carry weight 0 on padding.
-                weighted_metrics=["accuracy"],
-                steps_per_execution=config.steps_per_loop)
-        model = tfmulti.keras.distributed(
-            model, grad_accum_steps=config.grad_accum_steps,
-            clip_global_norm=config.clip_global_norm,
-            allreduce_dtype=config.allreduce_dtype, sync=sync,
-            compression=compression)
-        epochs = max(1, -(-total_steps // steps_per_epoch))
-        history = model.fit(
-            train, epochs=epochs, steps_per_epoch=min(total_steps,
-                                                      steps_per_epoch),
-            validation_data=test, verbose=0,
-            callbacks=[*tfmulti.keras.callbacks(model_dir),
-                       progress_logger])
-        seconds = time.perf_counter() - start
-        evaluation = model.evaluate(test, verbose=0, return_dict=True)
-        traffic = tfmulti.keras.communication(model)
-        final_train = {k: v[-1] for k, v in history.history.items()
-                       if not k.startswith("val_")}
-        checkpoints = os.path.join(model_dir, backup_lib.CHECKPOINT_DIR)
+                    from_logits=True, reduction=None),
+                strategy=strategy, metrics=[accuracy],
+                grad_accum_steps=config.grad_accum_steps,
+                clip_global_norm=config.clip_global_norm,
+                allreduce_dtype=config.allreduce_dtype,
+                steps_per_loop=config.steps_per_loop,
+                mixed_precision=config.mixed_precision,
+                model_dir=model_dir, sync=sync, compression=compression)
+            history = trainer.fit(train, steps=total_steps, eval_data=test,
+                                  eval_every=steps_per_epoch,
+                                  global_batch_size=config.global_batch_size,
+                                  callbacks=[progress_logger], verbose=0)
+            seconds = time.perf_counter() - start
+            evaluation = trainer.evaluate(test)
+            traffic = trainer.communication
+            final_train = {k: history[k][-1] for k in
+                           ("loss", *[m.name for m in trainer.metrics])
+                           if history.get(k)}
+        else:
+            with strategy.scope():
+                model.compile(
+                    optimizer=optimizer,
+                    loss=keras.losses.SparseCategoricalCrossentropy(
+                        from_logits=True),
+                    # Weighted: eval batches carry weight 0 on padding.
+                    weighted_metrics=["accuracy"],
+                    steps_per_execution=config.steps_per_loop)
+            model = tfmulti.keras.distributed(
+                model, grad_accum_steps=config.grad_accum_steps,
+                clip_global_norm=config.clip_global_norm,
+                allreduce_dtype=config.allreduce_dtype, sync=sync,
+                compression=compression)
+            epochs = max(1, -(-total_steps // steps_per_epoch))
+            # The final backup stays: a later --resume with a larger
+            # --steps/--epochs continues from it.
+            history = model.fit(
+                train, epochs=epochs, steps_per_epoch=min(total_steps,
+                                                          steps_per_epoch),
+                validation_data=test, verbose=0,
+                callbacks=[*tfmulti.keras.callbacks(model_dir,
+                                                    keep_backup=True),
+                           _stop_at(total_steps), progress_logger])
+            seconds = time.perf_counter() - start
+            evaluation = model.evaluate(test, verbose=0, return_dict=True)
+            traffic = tfmulti.keras.communication(model)
+            final_train = {k: v[-1] for k, v in history.history.items()
+                           if not k.startswith("val_")}
+    except BaseException as e:
+        if is_chief and verbose:
+            print(progress.stopped_summary(
+                progress_logger, reason=_stop_reason(e),
+                num_replicas=strategy.num_replicas_in_sync,
+                model_dir=model_dir, checkpoints=checkpoints,
+                wall_seconds=time.perf_counter() - began), flush=True)
+        raise
     metrics = {
         "loop": loop,
         "train": _floats(final_train),
         "eval": _floats(evaluation),
         "steps": total_steps,
+        # The step this process continued from (None: a new run).
+        "resumed_at": reached if run.resuming else None,
         "seconds": seconds,
-        "examples_per_sec": (progress_logger.step - progress_logger.first_step
-                             ) * examples_per_update / seconds,
+        "examples_per_sec": max(0, progress_logger.step - (
+            reached or progress_logger.first_step)) * examples_per_update
+        / seconds,
         "num_replicas": strategy.num_replicas_in_sync,
         "model_dir": model_dir,
         # This worker's gradient / parameter all-reduces, as issued.
@@ -476,9 +512,8 @@ def input_data(config: ExperimentConfig, strategy, *,
     test_fn = data.tfds_dataset_fn(config.dataset, "test",
                                    data_dir=config.data_dir)
     info = train_fn.builder.info
-    steps_per_epoch = max(1, info.splits["train"].num_examples //
-                          examples_per_update)
-    total_steps = config.steps or config.epochs * steps_per_epoch
+    steps_per_epoch, total_steps = run_length(
+        config, examples_per_update=examples_per_update, info=info)
     if parameter_server.is_parameter_server(strategy):
         # Asynchronous mode: every worker reads train_fn itself; the chief
         # evaluates on batches of its own.
@@ -496,6 +531,60 @@ def input_data(config: ExperimentConfig, strategy, *,
     return info, train, test, steps_per_epoch, total_steps
 
 
+def run_length(config: ExperimentConfig, *, examples_per_update: int,
+               info=None) -> tuple[int, int]:
+    """(steps per epoch, the global step training ends at)."""
+    if info is None:
+        from tfmulti import data
+        info = data.tfds_dataset_fn(config.dataset, "train",
+                                    data_dir=config.data_dir).builder.info
+    steps_per_epoch = max(1, info.splits["train"].num_examples //
+                          examples_per_update)
+    return steps_per_epoch, config.steps or config.epochs * steps_per_epoch
+
+
+def _check_end(config: ExperimentConfig, run: rundir.RunDir, loop: str,
+               total_steps: int) -> int | None:
+    """The step a continued run has reached (None for a new run).
+
+    Raises:
+      ConfigError: the end asked for is before that step.
+      tfmulti.rundir.NothingToTrain: it is that step.
+    """
+    if not run.resuming:
+        return None
+    from tfmulti.training import checkpoints
+    # The newest checkpoint; a finished run's metrics.json, if an extension
+    # of it was stopped before its first checkpoint.
+    steps = [s for s in (run.finished_steps, checkpoints.latest_step(
+        os.path.join(run.path, *(() if loop == "trainer" else (
+            _backup_dir(),))))) if s is not None]
+    reached = max(steps) if steps else None
+    if reached is None or total_steps > reached or (
+            total_steps == reached != run.finished_steps):
+        # The last case: stopped after its last checkpoint, before writing
+        # metrics.json for it; it evaluates and writes them.
+        return reached
+    flag = "steps" if config.steps else "epochs"
+    asked = (f"`--steps`={config.steps}" if config.steps else
+             f"`--epochs`={config.epochs} ({total_steps} steps)")
+    if total_steps == reached:
+        raise rundir.NothingToTrain(
+            f"nothing to train: the run in {run.path!r} has reached step "
+            f"{reached}, where {asked} ends; pass a larger --{flag} to train "
+            "longer.")
+    raise ConfigError(
+        f"{asked} ends before step {reached}, which the run in "
+        f"{run.path!r} has reached: a run is continued, never shortened. "
+        f"Pass a --{flag} that ends after step {reached} to train longer, or "
+        "start a new run without --resume.", flag=flag)
+
+
+def _backup_dir() -> str:
+    from tfmulti.keras import backup
+    return backup.BACKUP_DIR
+
+
 def learning_rate(config: ExperimentConfig, *, examples_per_update: int):
     """The configured learning rate (or schedule) for this update size."""
     from tfmulti import schedules
@@ -506,6 +595,33 @@ def learning_rate(config: ExperimentConfig, *, examples_per_update: int):
         global_batch_size=examples_per_update if config.lr_scaling
         else config.base_batch_size, rule=config.lr_scaling or "linear",
         warmup_steps=config.warmup_steps)
+
+
+def _stop_reason(error: BaseException) -> str:
+    from tfmulti import exit_codes
+    if isinstance(error, SystemExit) and (
+            error.code == exit_codes.PREEMPTED):
+        return ("preempted: the last checkpoint is current; --resume "
+                "continues from it")
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted; --resume continues from the last checkpoint"
+    text = str(error).strip().splitlines()
+    return (f"{type(error).__name__}" + (f": {text[0][:200]}" if text else "")
+            + "; traceback below")
+
+
+def _stop_at(total_steps: int):
+    """A callback that stops Keras `fit` at `total_steps` updates, inside
+    its last epoch (`fit` runs whole epochs; `--steps` need not be a
+    multiple of one)."""
+    import keras
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) >= total_steps:
+                self.model.stop_training = True
+
+    return StopAt()
 
 
 def _floats(values: dict) -> dict[str, float]:

@@ -77,8 +77,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "all replicas.", lower_bound=1, **fv)
     flags.DEFINE_integer("epochs", 3, "Passes over the training split.",
                          lower_bound=1, **fv)
-    flags.DEFINE_integer("steps", None, "Train this many steps instead of "
-                         "--epochs.", lower_bound=1, **fv)
+    flags.DEFINE_integer("steps", None, "Train to this step instead of "
+                         "--epochs (with --resume, a larger value trains a "
+                         "run longer).", lower_bound=1, **fv)
     flags.DEFINE_float("learning_rate", 1e-3, "Learning rate at "
                        "--base_batch_size.", lower_bound=0.0, **fv)
     flags.DEFINE_integer("base_batch_size", 128, "Batch size "
@@ -103,7 +104,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                         "metrics.json (default: a new "
                         "./runs/<recipe>-<YYYYmmdd-HHMMSS>).", **fv)
     flags.DEFINE_bool("resume", False, "Continue the run in --model_dir "
-                      "(same training flags); without it a directory that "
+                      "(same training flags; a larger --steps or --epochs "
+                      "trains it longer); without it a directory that "
                       "holds a run is refused.", **fv)
     flags.DEFINE_integer("seed", 0, "Random seed.", **fv)
     flags.DEFINE_integer("pipeline_stages", 1, "Split the model into this "

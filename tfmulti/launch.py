@@ -47,6 +47,7 @@ import time
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes
+from tfmulti import quiet_logging
 from tfmulti import rundir
 from tfmulti import startup
 
@@ -132,6 +133,11 @@ class _Group:
         self.tails = []
         # Indices of the workers that said they joined the cluster.
         self.joined = set()
+        # TensorFlow's start-up lines are dropped from the workers' output
+        # (tfmulti.quiet_logging), unless the command asks for them.
+        quiet = not quiet_logging.wants_tensorflow_logs(command[1:])
+        logging_env = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get(
+            "TF_CPP_MIN_LOG_LEVEL", "1")} if quiet else {}
         for tf_config in cluster_lib.local_cluster(
                 options.workers, host=options.host, num_ps=options.ps):
             task = tf_config["task"]
@@ -139,7 +145,8 @@ class _Group:
                 "chief" if task["type"] == "chief" else f"ps{task['index']}")
             self.roles.append(task["type"])
             env = dict(os.environ, TF_CONFIG=json.dumps(tf_config),
-                       PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)})
+                       PYTHONUNBUFFERED="1", **{ATTEMPT_ENV: str(attempt)},
+                       **logging_env)
             env.setdefault(startup.STARTUP_TIMEOUT_ENV,
                            str(STARTUP_TIMEOUT_SECONDS))
             # Own session: the worker and anything it starts are one process
@@ -151,7 +158,7 @@ class _Group:
             reaper.watch(proc.pid)
             self.tails.append(collections.deque(maxlen=_TAIL_LINES))
             relay = threading.Thread(
-                target=_relay, args=(proc, index, self.tails[-1],
+                target=_relay, args=(proc, index, quiet, self.tails[-1],
                                      lambda i=len(self.procs) - 1:
                                      self.joined.add(i)), daemon=True)
             relay.start()
@@ -260,11 +267,13 @@ class _Reaper:
         self._proc.wait()
 
 
-def _relay(proc, index, tail, on_joined):
+def _relay(proc, index, quiet, tail, on_joined):
     prefix = (f"[w{index}] " if isinstance(index, int) else
               f"[{index}] ").encode()
     marker = startup.JOINED_MARKER.encode()
     for line in iter(proc.stdout.readline, b""):
+        if quiet and quiet_logging.is_noise(line):
+            continue
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.buffer.flush()
         tail.append(line)

@@ -65,6 +65,11 @@ class ProgressLogger(keras.callbacks.Callback):
         self._first = None   # (time, step) when this process began training
         self._last = None    # (time, step) of the last line printed
         self.step = 0
+        # The last train and evaluation logs, for a summary of a run that
+        # stops before its end.
+        self.train_logs: dict[str, float] = {}
+        self.eval_logs: dict[str, float] = {}
+        self.eval_step: int | None = None
 
     def _print(self, line: str) -> None:
         if self.is_chief:
@@ -74,6 +79,11 @@ class ProgressLogger(keras.callbacks.Callback):
     def first_step(self) -> int:
         """The step this process started training from (after a resume)."""
         return self._first[1] if self._first else self.step
+
+    @property
+    def training_seconds(self) -> float:
+        """Seconds since this process's first training step began."""
+        return time.perf_counter() - self._first[0] if self._first else 0.0
 
     def _global_step(self, batch: int) -> int:
         # The Trainer never starts epochs and passes the global step.
@@ -94,6 +104,7 @@ class ProgressLogger(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.step = step = self._global_step(batch + 1)
+        self.train_logs = _train_logs(logs)
         now = time.perf_counter()
         epoch_end = step % self.steps_per_epoch == 0
         if (now - self._last[0] < self.interval and not epoch_end and
@@ -112,13 +123,41 @@ class ProgressLogger(keras.callbacks.Callback):
         self._last = (now, step)
 
     def on_test_end(self, logs=None):
+        self.eval_logs, self.eval_step = _train_logs(logs), self.step
         self._print(f"eval at step {self.step} "
-                    f"{format_metrics(_train_logs(logs))}")
+                    f"{format_metrics(self.eval_logs)}")
 
 
 def _train_logs(logs) -> dict[str, float]:
     return {k: v for k, v in (logs or {}).items()
             if not k.startswith("val_") and not hasattr(v, "__len__")}
+
+
+def device_line(*, replicas: int, device_type: str, workers: int = 1,
+                gpus_found: int = 0, parameter_servers: int = 0) -> str:
+    """What the run trains on, e.g. `2 CPU replicas, no GPU found` or `16
+    GPU replicas on 2 workers` (it replaces TensorFlow's own note about
+    missing CUDA drivers, kept off the output by `tfmulti.quiet_logging`).
+
+    Args:
+      replicas: replicas in sync.
+      device_type: "CPU" or "GPU", what the replicas run on.
+      workers: processes that train.
+      gpus_found: GPUs this process sees.
+      parameter_servers: in a parameter-server run (asynchronous), how many.
+    """
+    def count(n, what):
+        return f"{n} {what}{'s' * (n != 1)}"
+
+    if parameter_servers:
+        line = (f"{count(workers, 'worker')} and "
+                f"{count(parameter_servers, 'parameter server')} "
+                "(asynchronous)")
+    else:
+        line = count(replicas, f"{device_type} replica")
+        if workers > 1:
+            line += f" on {workers} workers"
+    return line + ("" if gpus_found else ", no GPU found")
 
 
 def summary(metrics: Mapping[str, Any], *, model_dir: str, wall_seconds: float,
@@ -127,19 +166,65 @@ def summary(metrics: Mapping[str, Any], *, model_dir: str, wall_seconds: float,
 
     Args:
       metrics: what the run writes to metrics.json (`train`, `eval`,
-        `steps`, `examples_per_sec`, `num_replicas`, `seconds`).
+        `steps`, `examples_per_sec`, `num_replicas`, `seconds`, and for a
+        continued run `resumed_at`, the step it restored).
       model_dir: the run's directory.
       wall_seconds: time since the run started, set-up included.
       checkpoints: where the checkpoints are.
     """
+    steps, resumed = metrics["steps"], metrics.get("resumed_at")
+    head = f"done: {steps} steps"
+    if resumed is not None and resumed >= steps:
+        head += f" (resumed at step {resumed}: nothing left to train)"
+    elif resumed:
+        head += f" (resumed at step {resumed})"
+    head += (f" on {metrics['num_replicas']} replica(s) in "
+             f"{_duration(metrics['seconds'])} of training "
+             f"({metrics['examples_per_sec']:.0f} examples/s), "
+             f"{_duration(wall_seconds)} wall time")
+    return _lines(head, train=metrics["train"], evaluation=metrics["eval"],
+                  metrics_file=os.path.join(model_dir, "metrics.json"),
+                  model_dir=model_dir, checkpoints=checkpoints)
+
+
+def stopped_summary(logger: ProgressLogger, *, reason: str,
+                    num_replicas: int, model_dir: str, wall_seconds: float,
+                    checkpoints: str) -> str:
+    """The closing lines of a run that stopped before its end (preempted,
+    interrupted, an error): where it stopped, its last metrics, its outputs.
+
+    Args:
+      logger: the run's `ProgressLogger` (its last step and logs).
+      reason: why it stopped, e.g. "preempted: ...".
+      num_replicas: replicas in sync.
+      model_dir: the run's directory.
+      wall_seconds: time since the run started, set-up included.
+      checkpoints: where the checkpoints are.
+    """
+    trained = logger.step - logger.first_step
+    rate = trained * logger.examples_per_step / max(
+        logger.training_seconds, 1e-9)
+    head = (f"stopped at step {logger.step} of {logger.total_steps} "
+            f"({reason}) on {num_replicas} replica(s) after "
+            f"{_duration(logger.training_seconds)} of training "
+            f"({rate:.0f} examples/s), {_duration(wall_seconds)} wall time")
+    evaluation = dict(logger.eval_logs)
+    return _lines(head, train=logger.train_logs, evaluation=evaluation,
+                  eval_step=logger.eval_step if evaluation else None,
+                  metrics_file=None, model_dir=model_dir,
+                  checkpoints=checkpoints)
+
+
+def _lines(head, *, train, evaluation, metrics_file, model_dir, checkpoints,
+           eval_step=None) -> str:
+    """The summary's rows; a row with nothing to show says why."""
     lines = [
-        f"done: {metrics['steps']} steps on {metrics['num_replicas']} "
-        f"replica(s) in {_duration(metrics['seconds'])} of training "
-        f"({metrics['examples_per_sec']:.0f} examples/s), "
-        f"{_duration(wall_seconds)} wall time",
-        f"  train {format_metrics(metrics['train'])}",
-        f"  eval  {format_metrics(metrics['eval'])}",
-        f"  metrics:     {os.path.join(model_dir, 'metrics.json')}",
+        head,
+        f"  train {format_metrics(train) or '(no step trained in this run)'}",
+        f"  eval  {format_metrics(evaluation) or '(not run)'}"
+        + (f" (at step {eval_step})" if eval_step is not None else ""),
+        "  metrics:     " + (metrics_file or
+                             "not written (the run did not end)"),
         f"  checkpoints: {checkpoints}",
         f"  TensorBoard: tensorboard --logdir {model_dir}",
     ]

@@ -10,8 +10,11 @@ restores the final step of the last one), so here:
   called `tfmulti`, which `import tfmulti` would find as a namespace package
   when Python runs from its parent);
 - a directory that holds a run is continued only with `resume=True`, and
-  only with the same training configuration (`config.json`);
-- a finished run (it has `metrics.json`) is "nothing to train".
+  only with the same training configuration (`config.json`), except where
+  training ends (`steps`, `epochs`): a later end extends the run from its
+  last checkpoint, and `config.json` records each end (`ends`);
+- a finished run (it has `metrics.json`) asked for the same end is
+  "nothing to train".
 
 Nothing here imports TensorFlow: the decision is made before the strategy
 exists, by every worker alike, from what the shared directory holds.
@@ -40,7 +43,12 @@ class RunDirError(ValueError):
 
 
 class NothingToTrain(Exception):
-    """`model_dir` holds a finished run with this configuration."""
+    """`model_dir` holds a run that has reached the end asked for."""
+
+
+# The settings that say where training ends, not what is trained: a resumed
+# run may change them (to train longer).
+END_KEYS = ("steps", "epochs")
 
 
 def timestamp(now: datetime.datetime | None = None) -> str:
@@ -81,13 +89,33 @@ class RunDir:
 
     Attributes:
       path: the directory.
-      resuming: it holds an unfinished run that this one continues.
-      saved_config: the configuration saved by the run being continued.
+      resuming: it holds a run that this one continues.
+      saved_config: what `config.json` holds (`config`, `versions`,
+        `started`, `ends`) for the run being continued.
+      finished_steps: the steps a finished run (one with `metrics.json`)
+        trained, when this one continues it to another end; else None.
     """
 
     path: str
     resuming: bool = False
     saved_config: Mapping[str, Any] | None = None
+    finished_steps: int | None = None
+
+    def ends(self, config: Mapping[str, Any], total_steps: int,
+             when: str) -> list[dict[str, Any]]:
+        """What `config.json` records as `ends`: the saved list, plus this
+        run's end when it moved (each `{"steps", "epochs", "total_steps",
+        "set"}`, `set` the time it was asked for)."""
+        saved = self.saved_config or {}
+        ends = list(saved.get("ends") or [])
+        if saved and not ends:
+            # A config.json from before ends were recorded.
+            ends = [{**{k: saved.get("config", {}).get(k) for k in END_KEYS},
+                     "total_steps": None, "set": saved.get("started")}]
+        end = {k: config.get(k) for k in END_KEYS}
+        if not ends or {k: ends[-1].get(k) for k in END_KEYS} != end:
+            ends.append({**end, "total_steps": total_steps, "set": when})
+        return ends
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -155,20 +183,31 @@ def open_run_dir(path: str, *, config: Mapping[str, Any], resume: bool,
             "or new directory (the default is a new ./runs/<recipe>-<time>).")
     finished = metrics is not None
     if not resume:
-        what = (f"a finished run ({METRICS_FILE} is there): nothing to train"
+        what = (f"a finished run ({METRICS_FILE} is there, "
+                f"{metrics.get('steps', '?')} steps): nothing to train"
                 if finished else "an unfinished run")
         raise RunDirError(
             f"`--model_dir` {path!r} holds {what}. Pass --resume to continue "
-            "it, or leave out --model_dir for a new directory under ./runs/.")
-    changed = differences(saved.get("config", {}), config, compared)
+            "it (with a larger --steps or --epochs to train longer), or "
+            "leave out --model_dir for a new directory under ./runs/.")
+    saved_config = saved.get("config", {})
+    changed = differences(saved_config, config,
+                          tuple(k for k in compared if k not in END_KEYS))
     if changed:
         raise RunDirError(
             f"--resume: the run in {path!r} was started with another "
             f"configuration ({'; '.join(changed)}). Resume with the saved "
-            "values, or start a new run without --resume.")
-    if finished:
+            "values (only --steps and --epochs may change), or start a new "
+            "run without --resume.")
+    same_end = not differences(saved_config, config, END_KEYS) and not (
+        differences(metrics.get("config", saved_config), config, END_KEYS)
+        if finished else [])
+    if finished and same_end:
         raise NothingToTrain(
-            f"nothing to train: the run in {path!r} has finished (metrics in "
-            f"{os.path.join(path, METRICS_FILE)}).")
-    return RunDir(path, resuming=True, saved_config=saved)
+            f"nothing to train: the run in {path!r} has finished at step "
+            f"{metrics.get('steps', '?')} (metrics in "
+            f"{os.path.join(path, METRICS_FILE)}); pass a larger --steps or "
+            "--epochs to train longer.")
+    return RunDir(path, resuming=True, saved_config=saved,
+                  finished_steps=metrics.get("steps") if finished else None)
 

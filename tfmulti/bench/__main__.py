@@ -25,6 +25,7 @@ import time
 import traceback
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import quiet_logging
 from tfmulti.bench import parts, report
 
 # Per mode: the settings of every part. --quick stays under 3 minutes on an
@@ -345,6 +346,8 @@ def main(argv=None):
                         "(one training per configuration and seed; "
                         "default: 0 only)")
     args = parser.parse_args(argv)
+    # Before any part imports TensorFlow here: its start-up lines off.
+    quiet_logging.quiet([])
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     results = run(out=args.out, mode=mode, only=args.only,
                   timeout=args.timeout, data_dir=args.data_dir,

@@ -182,6 +182,24 @@ def _fits_auto_cache(dataset, size) -> bool:
     return size * element <= AUTO_CACHE_BYTES
 
 
+def _fill_cache(cached) -> None:
+    """Reads `cached` (a `.cache()`d shard) once, to its end, now.
+
+    A training run that stops before its iterator has read a whole epoch
+    (`--steps`, a preemption, a resume mid-epoch) would otherwise leave the
+    cache half written: TensorFlow discards it when the iterator goes and
+    warns "The calling iterator did not fully read the dataset being cached"
+    (after the run's summary, when the process exits). Iterators of the same
+    dataset share its complete cache, so training reads from memory from
+    the first step. Costs what the first epoch would have spent reading
+    (BUILD_NOTES, "Quiet start"). Only when building eagerly; a dataset
+    function traced in a `tf.function` (ParameterServerStrategy's workers)
+    keeps filling its cache as it trains.
+    """
+    if tf.executing_eagerly():
+        cached.reduce(np.int64(0), lambda count, _: count + 1)
+
+
 def _shard(dataset_fn, input_context):
     """This pipeline's dataset and all pipelines' sizes (None if infinite)."""
     if isinstance(dataset_fn, sharding_lib.ShardedDatasetFn):
@@ -289,6 +307,8 @@ def build_pipeline(dataset_fn: Callable, input_context:
                 "(tfmulti repeats after caching) or pass cache=False.")
         dataset = dataset.cache("" if cache is True
                                 else f"{cache}_{pipeline_id}")
+        if options.training:
+            _fill_cache(dataset)
     if options.training:
         size = sizes[pipeline_id] if sizes else None
         buffer = options.shuffle_buffer

@@ -34,6 +34,8 @@ BACKUP_DIR = "backup"
 CHECKPOINT_DIR = "checkpoints"
 LOG_DIR = "logs"
 _RESERVED_CHECKPOINT_OPTIONS = ("filepath",)
+# Saved in a backup's `Position.extra`: the epoch length it counts in.
+_STEPS_PER_EPOCH = "steps_per_epoch"
 _RESERVED_TENSORBOARD_OPTIONS = ("log_dir",)
 
 __all__ = ["BackupAndRestore", "callbacks", "worker_temp_dir"]
@@ -84,6 +86,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_on_preemption = save_on_preemption
         self.restored = None
         self._epoch = 0
+        self._done = 0
         self._skipper = None
         self._watcher = None
         self._checkpointer = None
@@ -138,9 +141,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _epoch_and_batch(self, position):
         if position is None:
             return 0, 0
+        steps = self.params.get("steps")
+        saved_steps = position.extra.get(_STEPS_PER_EPOCH)
+        if position.epoch is not None and saved_steps and steps and (
+                saved_steps != steps):
+            # Epochs of another length (a run continued with more steps):
+            # the same number of batches in, counted in this fit's epochs.
+            return divmod(position.epoch * saved_steps +
+                          (position.batch or 0), steps)
         if position.epoch is not None:
             return position.epoch, position.batch or 0
-        steps = self.params.get("steps")
         if not steps:
             raise ValueError(
                 f"The checkpoint in {self.backup_dir!r} was written by the "
@@ -154,13 +164,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             step=int(self.model.optimizer.iterations.numpy()), epoch=epoch,
             batch=batch, num_replicas=strategy.num_replicas_in_sync,
             batches_per_step=fit_lib.batches_per_step(self.model),
-            num_workers=cluster_lib.of_strategy(strategy).num_workers)
+            num_workers=cluster_lib.of_strategy(strategy).num_workers,
+            extra={_STEPS_PER_EPOCH: self.params.get("steps")})
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        done = batch + 1
+        done = self._done = batch + 1
         if done == self.params.get("steps"):
             position = self._position(self._epoch + 1, 0)
         else:
@@ -191,7 +202,12 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._unwrap()
-        self._checkpointer.save(self._position(epoch + 1, 0))
+        steps = self.params.get("steps")
+        if self.model.stop_training and steps and self._done < steps:
+            # Stopped inside the epoch (`model.stop_training`): resume there.
+            self._checkpointer.save(self._position(epoch, self._done))
+        else:
+            self._checkpointer.save(self._position(epoch + 1, 0))
 
     def _say(self, line):
         if self._checkpointer is not None and self._checkpointer.is_chief:
@@ -291,6 +307,7 @@ def _check_options(name, options, reserved):
 
 def callbacks(model_dir, *, backup: bool = True, checkpoint: bool = True,
               tensorboard: bool = True, backup_freq="epoch",
+              keep_backup: bool = False,
               checkpoint_name: str = "model-{epoch:04d}.keras",
               checkpoint_options: dict | None = None,
               tensorboard_options: dict | None = None,
@@ -314,6 +331,9 @@ def callbacks(model_dir, *, backup: bool = True, checkpoint: bool = True,
       tensorboard: add `keras.callbacks.TensorBoard`.
       backup_freq: "epoch", or an int N: back up every N batches too, and
         resume mid-epoch (see `BackupAndRestore`).
+      keep_backup: keep the last backup when `fit` completes, so that a
+        later `fit` with more `epochs` continues from it (the default
+        removes it, as Keras's BackupAndRestore does).
       checkpoint_name: file name pattern in `checkpoints/`; ends in
         ".keras" (whole model) or ".weights.h5" (with
         checkpoint_options={"save_weights_only": True}).
@@ -361,7 +381,8 @@ def callbacks(model_dir, *, backup: bool = True, checkpoint: bool = True,
         # The checkpoint layer sends a non-chief's writes to its own
         # temporary directory.
         result.append(BackupAndRestore(os.path.join(model_dir, BACKUP_DIR),
-                                       save_freq=backup_freq))
+                                       save_freq=backup_freq,
+                                       delete_on_end=not keep_backup))
     if checkpoint:
         result.append(keras.callbacks.ModelCheckpoint(
             os.path.join(write_dir, CHECKPOINT_DIR, checkpoint_name),

@@ -418,6 +418,13 @@ def _write_state_file(model_dir, prefixes):
     os.replace(partial, os.path.join(model_dir, "checkpoint"))
 
 
+def latest_step(model_dir: str) -> int | None:
+    """The step of the newest complete checkpoint in `model_dir` (from the
+    listing, not read back), or None when there is none."""
+    prefixes = compat.checkpoint_prefixes(model_dir, basename=_BASENAME)
+    return prefixes[-1][0] if prefixes else None
+
+
 def check_writable(model_dir: str) -> None:
     """Creates `model_dir` if needed; a clear ValueError if it is unusable."""
     try:
