@@ -13,6 +13,7 @@ where tests can run it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -34,7 +35,7 @@ RESUME_MUST_MATCH = (
     "loop", "dataset", "global_batch_size", "epochs", "steps",
     "learning_rate", "base_batch_size", "lr_scaling", "warmup_steps",
     "grad_accum_steps", "clip_global_norm", "mixed_precision",
-    "sync_batchnorm", "seed", "sync_every", "sync_warmup_steps",
+    "sync_batchnorm", "batchnorm", "seed", "sync_every", "sync_warmup_steps",
     "outer_learning_rate", "outer_momentum", "compression", "powersgd_rank",
     "powersgd_start_iter")
 
@@ -74,6 +75,7 @@ class ExperimentConfig:
     clip_global_norm: float | None = None
     mixed_precision: str | None = None
     sync_batchnorm: bool = False
+    batchnorm: bool = True
     steps_per_loop: int = 50
     # None: a new directory under ./runs (see `tfmulti.rundir`).
     model_dir: str | None = None
@@ -98,6 +100,11 @@ class ExperimentConfig:
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"`steps` should be positive, got "
                               f"{self.steps}.", flag="steps")
+        if self.sync_batchnorm and not self.batchnorm:
+            raise ConfigError(
+                "`sync_batchnorm`=True synchronises BatchNormalization, but "
+                "`batchnorm`=False leaves it out of the model. Drop one of "
+                "them.", flag="sync_batchnorm")
         if self.pipeline_stages > 1:
             _check_pipeline(self)
         elif self.micro_batches != 1:
@@ -329,12 +336,21 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     if config.cpu_replicas:
         devices.simulate_devices(config.cpu_replicas)
     if config.pipeline_stages > 1:
-        from tfmulti.pipeline import recipe
-        return recipe.train_and_evaluate(config, run=run)
-    strategy = strategies.create_strategy(
-        config.strategy, num_gpus=config.num_gpus,
-        all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
-    _check_batch(config, strategy.num_replicas_in_sync)
+        from tfmulti.pipeline import recipe_plan
+        try:
+            plan = recipe_plan.plan(config)
+        except ValueError as e:
+            raise ConfigError(str(e), flag="global_batch_size") from None
+        # The input pipeline feeds global batches from the first device;
+        # the stages run on their own devices.
+        strategy = strategies.create_strategy("one_device",
+                                              devices=plan.devices[:1])
+    else:
+        plan = None
+        strategy = strategies.create_strategy(
+            config.strategy, num_gpus=config.num_gpus,
+            all_reduce=config.all_reduce, pack_bytes=config.pack_bytes)
+        _check_batch(config, strategy.num_replicas_in_sync)
     is_chief = cluster_lib.of_strategy(strategy).is_chief
 
     import keras
@@ -351,10 +367,13 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             write_json_atomically(
                 os.path.join(model_dir, rundir.CONFIG_FILE),
                 {"config": _identity(config, loop), "versions": versions,
-                 "started": rundir.timestamp()})
+                 "started": rundir.timestamp(),
+                 **({"pipeline": plan.record()} if plan else {})})
         if verbose:
             print(f"{'resuming' if run.resuming else 'run directory:'} "
                   f"{model_dir}", flush=True)
+            if plan and plan.model_note:
+                print(plan.model_note, flush=True)
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
@@ -369,10 +388,12 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             "(keras-team/keras#18624). Use recipes.custom_loop, whose "
             "Trainer trains asynchronously under it.")
 
-    with strategy.scope():
+    # A pipeline places its stages itself, outside any strategy.
+    with strategy.scope() if plan is None else contextlib.nullcontext():
         keras.utils.set_random_seed(config.seed)
-        model = models.small_cnn(info.features[image_key].shape,
-                                  num_classes)
+        model = models.small_cnn(
+            info.features[image_key].shape, num_classes,
+            batch_norm=plan.batch_norm if plan else config.batchnorm)
         if config.sync_batchnorm:
             tfmulti.keras.sync_batchnorm(model)
         optimizer = keras.optimizers.Adam(learning_rate(
@@ -386,10 +407,17 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         examples_per_step=examples_per_update, is_chief=is_chief and verbose)
     start = time.perf_counter()
     if loop == "trainer":
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=None)
+        if plan is None:
+            trained = dict(model=model, optimizer=optimizer, loss=loss,
+                           strategy=strategy)
+        else:
+            # The PipelinedModel owns its optimizers, loss and devices.
+            trained = dict(model=plan.build(model, optimizer, loss),
+                           optimizer=None, loss=None, strategy=None)
         trainer = tfmulti.Trainer(
-            model, optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True, reduction=None),
-            strategy=strategy, metrics=[accuracy],
+            **trained, metrics=[accuracy],
             grad_accum_steps=config.grad_accum_steps,
             clip_global_norm=config.clip_global_norm,
             allreduce_dtype=config.allreduce_dtype,
@@ -443,7 +471,9 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         "seconds": seconds,
         "examples_per_sec": (progress_logger.step - progress_logger.first_step
                              ) * examples_per_update / seconds,
-        "num_replicas": strategy.num_replicas_in_sync,
+        "num_replicas": plan.data_parallel if plan else
+        strategy.num_replicas_in_sync,
+        **({"pipeline": plan.metrics(trained["model"])} if plan else {}),
         "model_dir": model_dir,
         # This worker's gradient / parameter all-reduces, as issued.
         "communication": traffic,
