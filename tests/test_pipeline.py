@@ -258,6 +258,15 @@ def test_recipe_flags_reach_the_config():
     flag_values(["recipe", "--pipeline_stages=4", "--micro_batches=8"])
     config = tfmulti_flags.experiment_config(flag_values)
     assert (config.pipeline_stages, config.micro_batches) == (4, 8)
+    assert config.batchnorm
+    flag_values(["recipe", "--nobatchnorm"])
+    assert not tfmulti_flags.experiment_config(flag_values).batchnorm
+    flag_values(["recipe", "--batchnorm=true", "--pipeline_stages=1",
+                 "--sync_every=2", "--pipeline_stages=2"])
+    with pytest.raises(ValueError, match=r"`sync_every`=2 is not supported "
+                       r"with `pipeline_stages`=2"):
+        tfmulti_flags.experiment_config(flag_values)
+    flag_values(["recipe", "--sync_every=1", "--pipeline_stages=1"])
     flag_values(["recipe", "--pipeline_stages=1", "--micro_batches=8"])
     with pytest.raises(ValueError, match=r"`micro_batches`=8 needs "
                        r"`pipeline_stages` > 1"):
@@ -303,7 +312,7 @@ def test_keras_fit_takes_the_pipeline_not_the_model_inside():
                        r"PipelinedModel.*tfmulti.keras.distributed\(pipe\)"):
         tfmulti.keras.distributed(pipe.model)
     with pytest.raises(ValueError, match=r"`sync`=.* is not supported for a "
-                       r"PipelinedModel trained with Keras `fit`"):
+                       r"PipelinedModel \(the pipeline sums"):
         tfmulti.keras.distributed(pipe, sync=tfmulti.LocalSGD(every=2))
     km = tfmulti.keras.distributed(pipe)
     assert km is pipe.model and km.optimizer is pipe.optimizers[0][0]

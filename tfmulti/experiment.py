@@ -105,9 +105,7 @@ class ExperimentConfig:
                 "`sync_batchnorm`=True synchronises BatchNormalization, but "
                 "`batchnorm`=False leaves it out of the model. Drop one of "
                 "them.", flag="sync_batchnorm")
-        if self.pipeline_stages > 1:
-            _check_pipeline(self)
-        elif self.micro_batches != 1:
+        if self.pipeline_stages == 1 and self.micro_batches != 1:
             raise ConfigError(
                 f"`micro_batches`={self.micro_batches} needs "
                 "`pipeline_stages` > 1; for micro-batches on one model, use "
@@ -142,6 +140,8 @@ class ExperimentConfig:
             except ValueError as e:
                 raise ConfigError(str(e), flag="compression" if (
                     self.compression != "none") else "sync_every") from None
+        if self.pipeline_stages > 1:
+            _check_pipeline(self)
 
     def communication_options(self):
         """(sync, compression) for the Trainer / `tfmulti.keras.distributed`.
@@ -169,20 +169,26 @@ class ExperimentConfig:
 
 
 def _check_pipeline(config: ExperimentConfig) -> None:
-    """Options the pipelined step does not implement."""
-    unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
-                   "clip_global_norm": config.clip_global_norm is not None,
-                   "mixed_precision": config.mixed_precision is not None,
-                   "sync_batchnorm": config.sync_batchnorm,
-                   "allreduce_dtype": config.allreduce_dtype is not None,
-                   "num_gpus": bool(config.num_gpus)}
-    for name, given in unsupported.items():
-        if given:
-            raise ConfigError(
-                f"`{name}`={getattr(config, name)!r} is not supported with "
-                f"`pipeline_stages`={config.pipeline_stages}; drop it (use "
-                "micro_batches for smaller pieces of the batch; the "
-                "pipeline uses every visible GPU).", flag=name)
+    """Options the pipelined step does not implement (one list, in
+    `tfmulti.pipeline.unsupported`)."""
+    from tfmulti.pipeline import unsupported
+    # Named as the recipe flags are; `sync` catches DiLoCo's outer options.
+    sync, _ = config.communication_options()
+    try:
+        unsupported.check(
+            f"with `pipeline_stages`={config.pipeline_stages}",
+            grad_accum_steps=config.grad_accum_steps,
+            clip_global_norm=config.clip_global_norm,
+            mixed_precision=config.mixed_precision,
+            sync_batchnorm=config.sync_batchnorm,
+            allreduce_dtype=config.allreduce_dtype,
+            num_gpus=config.num_gpus, sync_every=config.sync_every,
+            sync=sync if config.sync_every == 1 else None,
+            compression=None if config.compression == "none"
+            else config.compression)
+    except unsupported.UnsupportedOption as e:
+        flag = "outer_learning_rate" if e.name == "sync" else e.name
+        raise ConfigError(str(e), flag=flag) from None
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -247,13 +253,14 @@ def _check_dataset(name: str) -> None:
         "download.)", flag="dataset")
 
 
-def _check_batch(config: ExperimentConfig, replicas: int) -> None:
+def _check_batch(config: ExperimentConfig, replicas: int,
+                 pieces: str = "replicas") -> None:
     if config.global_batch_size % replicas:
         lower = config.global_batch_size // replicas * replicas
         options = [b for b in (lower, lower + replicas) if b > 0]
         raise ConfigError(
             f"`global_batch_size` is {config.global_batch_size}, which does "
-            f"not split over {replicas} replicas ({config.global_batch_size} "
+            f"not split over {replicas} {pieces} ({config.global_batch_size} "
             f"% {replicas} = {config.global_batch_size % replicas}). Use a "
             f"multiple of {replicas}, e.g. "
             f"{' or '.join(str(b) for b in options)}.",
@@ -337,10 +344,16 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         devices.simulate_devices(config.cpu_replicas)
     if config.pipeline_stages > 1:
         from tfmulti.pipeline import recipe_plan
-        try:
-            plan = recipe_plan.plan(config)
-        except ValueError as e:
-            raise ConfigError(str(e), flag="global_batch_size") from None
+        plan = recipe_plan.plan(config)
+        if len(plan.devices) < plan.stages:
+            raise ConfigError(
+                f"`pipeline_stages`={plan.stages} needs {plan.stages} "
+                f"devices, but {len(plan.devices)} are visible. Pass fewer "
+                f"stages, or on a CPU --cpu_replicas={plan.stages}.",
+                flag="pipeline_stages")
+        _check_batch(config, plan.data_parallel * plan.micro_batches,
+                     f"micro-batches ({plan.data_parallel} group(s) x "
+                     f"{plan.micro_batches})")
         # The input pipeline feeds global batches from the first device;
         # the stages run on their own devices.
         strategy = strategies.create_strategy("one_device",

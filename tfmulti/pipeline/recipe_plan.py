@@ -64,24 +64,13 @@ class Plan:
 def plan(config) -> Plan:
     """The pipeline for an `ExperimentConfig` with `pipeline_stages` > 1.
 
-    Call after the devices are set up (`simulate_devices`).
-
-    Raises:
-      ValueError: `global_batch_size` does not split into the groups'
-        micro-batches (names the argument and the sizes that would).
+    Call after the devices are set up (`simulate_devices`); the caller
+    checks that `global_batch_size` splits into D x M micro-batches.
     """
     devices = tuple(placement.available_devices())
     stages = config.pipeline_stages
     groups = max(1, len(devices) // stages)
     pieces = config.micro_batches * groups
-    if config.global_batch_size % pieces:
-        lower = config.global_batch_size // pieces * pieces
-        options = [b for b in (lower, lower + pieces) if b > 0]
-        raise ValueError(
-            f"`global_batch_size` is {config.global_batch_size}, which does "
-            f"not split into {groups} group(s) x {config.micro_batches} "
-            f"micro-batches. Use a multiple of {pieces}, e.g. "
-            f"{' or '.join(str(b) for b in options)}.")
     batch_norm = config.batchnorm and pieces == 1
     note = "" if batch_norm == config.batchnorm else (
         f"model: the example CNN without BatchNormalization ({groups} "
