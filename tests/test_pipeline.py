@@ -258,6 +258,15 @@ def test_recipe_flags_reach_the_config():
     flag_values(["recipe", "--pipeline_stages=4", "--micro_batches=8"])
     config = tfmulti_flags.experiment_config(flag_values)
     assert (config.pipeline_stages, config.micro_batches) == (4, 8)
+    assert config.batchnorm
+    flag_values(["recipe", "--nobatchnorm"])
+    assert not tfmulti_flags.experiment_config(flag_values).batchnorm
+    flag_values(["recipe", "--batchnorm=true", "--pipeline_stages=1",
+                 "--sync_every=2", "--pipeline_stages=2"])
+    with pytest.raises(ValueError, match=r"`sync_every`=2 is not supported "
+                       r"with `pipeline_stages`=2"):
+        tfmulti_flags.experiment_config(flag_values)
+    flag_values(["recipe", "--sync_every=1", "--pipeline_stages=1"])
     flag_values(["recipe", "--pipeline_stages=1", "--micro_batches=8"])
     with pytest.raises(ValueError, match=r"`micro_batches`=8 needs "
                        r"`pipeline_stages` > 1"):
@@ -303,7 +312,7 @@ def test_keras_fit_takes_the_pipeline_not_the_model_inside():
                        r"PipelinedModel.*tfmulti.keras.distributed\(pipe\)"):
         tfmulti.keras.distributed(pipe.model)
     with pytest.raises(ValueError, match=r"`sync`=.* is not supported for a "
-                       r"PipelinedModel trained with Keras `fit`"):
+                       r"PipelinedModel \(the pipeline sums"):
         tfmulti.keras.distributed(pipe, sync=tfmulti.LocalSGD(every=2))
     km = tfmulti.keras.distributed(pipe)
     assert km is pipe.model and km.optimizer is pipe.optimizers[0][0]
@@ -376,3 +385,36 @@ def test_unmappable_optimizer_state_is_saved_per_stage(tmp_path):
         path).assert_existing_objects_matched()
     for a, b in zip(saved, view.variables):
         np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_pipeline_recipe_is_the_same_run_as_one_device(tmp_path,
+                                                       shapes_data_dir):
+    """`pipeline_stages=2, micro_batches=4` through `train_and_evaluate`
+    prints the same progress lines and summary as a one-device run, says
+    and records that BatchNorm is left out, and with `batchnorm=False` the
+    one-device run of the same steps ends with equal weights, Adam slots,
+    losses and evaluation."""
+    out = tmp_path / "out.json"
+    _, log = run_python(["tests/workers/pipeline_recipe.py", str(out),
+                         shapes_data_dir, str(tmp_path)], timeout=420)
+    r = json.loads(out.read_text())
+    print(log[-3000:])
+    assert r["same_keys"] and r["num_tensors"] > 20, r
+    assert r["tensor_diff"] < TOLERANCE, r
+    single, piped = r["single"], r["pipeline"]
+    for part in ("train", "eval"):
+        for name, value in single[part].items():
+            assert abs(piped[part][name] - value) < TOLERANCE, (part, name)
+    assert piped["pipeline"]["stages"] == 2
+    assert piped["pipeline"]["micro_batches"] == 4
+    assert piped["num_replicas"] == 1 and piped["steps"] == 4
+    config = json.loads((tmp_path / "pipeline" / "config.json").read_text())
+    assert config["pipeline"]["batchnorm"] is False
+    assert "without BatchNormalization" in config["pipeline"]["model_changed"]
+    # The same run: progress lines with epoch and ETA, and the summary.
+    single_log, piped_log = log.split("=== pipeline ===")
+    assert "model: the example CNN without BatchNormalization" in piped_log
+    assert "without BatchNormalization" not in single_log
+    for text in (single_log, piped_log):
+        assert "step 4/4 (epoch 1/1)" in text and "ETA" in text
+        assert "done: 4 steps" in text and "metrics:" in text

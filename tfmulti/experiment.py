@@ -13,6 +13,7 @@ where tests can run it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -34,7 +35,7 @@ RESUME_MUST_MATCH = (
     "loop", "dataset", "global_batch_size", "epochs", "steps",
     "learning_rate", "base_batch_size", "lr_scaling", "warmup_steps",
     "grad_accum_steps", "clip_global_norm", "mixed_precision",
-    "sync_batchnorm", "seed", "sync_every", "sync_warmup_steps",
+    "sync_batchnorm", "batchnorm", "seed", "sync_every", "sync_warmup_steps",
     "outer_learning_rate", "outer_momentum", "compression", "powersgd_rank",
     "powersgd_start_iter")
 
@@ -75,6 +76,7 @@ class ExperimentConfig:
     clip_global_norm: float | None = None
     mixed_precision: str | None = None
     sync_batchnorm: bool = False
+    batchnorm: bool = True
     steps_per_loop: int = 50
     # None: a new directory under ./runs (see `tfmulti.rundir`).
     model_dir: str | None = None
@@ -99,9 +101,12 @@ class ExperimentConfig:
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"`steps` should be positive, got "
                               f"{self.steps}.", flag="steps")
-        if self.pipeline_stages > 1:
-            _check_pipeline(self)
-        elif self.micro_batches != 1:
+        if self.sync_batchnorm and not self.batchnorm:
+            raise ConfigError(
+                "`sync_batchnorm`=True synchronises BatchNormalization, but "
+                "`batchnorm`=False leaves it out of the model. Drop one of "
+                "them.", flag="sync_batchnorm")
+        if self.pipeline_stages == 1 and self.micro_batches != 1:
             raise ConfigError(
                 f"`micro_batches`={self.micro_batches} needs "
                 "`pipeline_stages` > 1; for micro-batches on one model, use "
@@ -140,6 +145,8 @@ class ExperimentConfig:
             except ValueError as e:
                 raise ConfigError(str(e), flag="compression" if (
                     self.compression != "none") else "sync_every") from None
+        if self.pipeline_stages > 1:
+            _check_pipeline(self)
 
     def communication_options(self):
         """(sync, compression) for the Trainer / `tfmulti.keras.distributed`.
@@ -167,20 +174,26 @@ class ExperimentConfig:
 
 
 def _check_pipeline(config: ExperimentConfig) -> None:
-    """Options the pipelined step does not implement."""
-    unsupported = {"grad_accum_steps": config.grad_accum_steps != 1,
-                   "clip_global_norm": config.clip_global_norm is not None,
-                   "mixed_precision": config.mixed_precision is not None,
-                   "sync_batchnorm": config.sync_batchnorm,
-                   "allreduce_dtype": config.allreduce_dtype is not None,
-                   "num_gpus": bool(config.num_gpus)}
-    for name, given in unsupported.items():
-        if given:
-            raise ConfigError(
-                f"`{name}`={getattr(config, name)!r} is not supported with "
-                f"`pipeline_stages`={config.pipeline_stages}; drop it (use "
-                "micro_batches for smaller pieces of the batch; the "
-                "pipeline uses every visible GPU).", flag=name)
+    """Options the pipelined step does not implement (one list, in
+    `tfmulti.pipeline.unsupported`)."""
+    from tfmulti.pipeline import unsupported
+    # Named as the recipe flags are; `sync` catches DiLoCo's outer options.
+    sync, _ = config.communication_options()
+    try:
+        unsupported.check(
+            f"with `pipeline_stages`={config.pipeline_stages}",
+            grad_accum_steps=config.grad_accum_steps,
+            clip_global_norm=config.clip_global_norm,
+            mixed_precision=config.mixed_precision,
+            sync_batchnorm=config.sync_batchnorm,
+            allreduce_dtype=config.allreduce_dtype,
+            num_gpus=config.num_gpus, sync_every=config.sync_every,
+            sync=sync if config.sync_every == 1 else None,
+            compression=None if config.compression == "none"
+            else config.compression)
+    except unsupported.UnsupportedOption as e:
+        flag = "outer_learning_rate" if e.name == "sync" else e.name
+        raise ConfigError(str(e), flag=flag) from None
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
@@ -245,13 +258,14 @@ def _check_dataset(name: str) -> None:
         "download.)", flag="dataset")
 
 
-def _check_batch(config: ExperimentConfig, replicas: int) -> None:
+def _check_batch(config: ExperimentConfig, replicas: int,
+                 pieces: str = "replicas") -> None:
     if config.global_batch_size % replicas:
         lower = config.global_batch_size // replicas * replicas
         options = [b for b in (lower, lower + replicas) if b > 0]
         raise ConfigError(
             f"`global_batch_size` is {config.global_batch_size}, which does "
-            f"not split over {replicas} replicas ({config.global_batch_size} "
+            f"not split over {replicas} {pieces} ({config.global_batch_size} "
             f"% {replicas} = {config.global_batch_size % replicas}). Use a "
             f"multiple of {replicas}, e.g. "
             f"{' or '.join(str(b) for b in options)}.",
@@ -334,13 +348,28 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     if config.cpu_replicas:
         devices.simulate_devices(config.cpu_replicas)
     if config.pipeline_stages > 1:
-        from tfmulti.pipeline import recipe
-        return recipe.train_and_evaluate(config, run=run)
-    strategy = strategies.create_strategy(
-        config.strategy, num_gpus=config.num_gpus,
-        all_reduce=config.all_reduce, pack_bytes=config.pack_bytes,
-        startup_timeout_seconds=config.startup_timeout)
-    _check_batch(config, strategy.num_replicas_in_sync)
+        from tfmulti.pipeline import recipe_plan
+        plan = recipe_plan.plan(config)
+        if len(plan.devices) < plan.stages:
+            raise ConfigError(
+                f"`pipeline_stages`={plan.stages} needs {plan.stages} "
+                f"devices, but {len(plan.devices)} are visible. Pass fewer "
+                f"stages, or on a CPU --cpu_replicas={plan.stages}.",
+                flag="pipeline_stages")
+        _check_batch(config, plan.data_parallel * plan.micro_batches,
+                     f"micro-batches ({plan.data_parallel} group(s) x "
+                     f"{plan.micro_batches})")
+        # The input pipeline feeds global batches from the first device;
+        # the stages run on their own devices.
+        strategy = strategies.create_strategy("one_device",
+                                              devices=plan.devices[:1])
+    else:
+        plan = None
+        strategy = strategies.create_strategy(
+            config.strategy, num_gpus=config.num_gpus,
+            all_reduce=config.all_reduce, pack_bytes=config.pack_bytes,
+            startup_timeout_seconds=config.startup_timeout)
+        _check_batch(config, strategy.num_replicas_in_sync)
     cluster = cluster_lib.of_strategy(strategy)
     is_chief = cluster.is_chief
 
@@ -365,7 +394,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             {"config": _identity(config, loop),
              "versions": saved.get("versions", versions),
              "started": saved.get("started", now),
-             "ends": run.ends(_identity(config, loop), total_steps, now)})
+             "ends": run.ends(_identity(config, loop), total_steps, now),
+             **({"pipeline": plan.record()} if plan else {})})
         if verbose:
             where = (f"resuming {model_dir} at step {reached}"
                      if run.resuming and reached else
@@ -382,6 +412,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                     cluster.num_ps) else cluster.num_workers,
                 gpus_found=len(tf.config.list_physical_devices("GPU")),
                 parameter_servers=cluster.num_ps), flush=True)
+            if plan and plan.model_note:
+                print(plan.model_note, flush=True)
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
@@ -395,10 +427,12 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             "(keras-team/keras#18624). Use recipes.custom_loop, whose "
             "Trainer trains asynchronously under it.")
 
-    with strategy.scope():
+    # A pipeline places its stages itself, outside any strategy.
+    with strategy.scope() if plan is None else contextlib.nullcontext():
         keras.utils.set_random_seed(config.seed)
-        model = models.small_cnn(info.features[image_key].shape,
-                                  num_classes)
+        model = models.small_cnn(
+            info.features[image_key].shape, num_classes,
+            batch_norm=plan.batch_norm if plan else config.batchnorm)
         if config.sync_batchnorm:
             tfmulti.keras.sync_batchnorm(model)
         optimizer = keras.optimizers.Adam(learning_rate(
@@ -416,11 +450,17 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     start = time.perf_counter()
     try:
         if loop == "trainer":
+            loss = keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction=None)
+            if plan is None:
+                trained = dict(model=model, optimizer=optimizer, loss=loss,
+                               strategy=strategy)
+            else:
+                # The PipelinedModel owns its optimizers, loss and devices.
+                trained = dict(model=plan.build(model, optimizer, loss),
+                               optimizer=None, loss=None, strategy=None)
             trainer = tfmulti.Trainer(
-                model, optimizer,
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True, reduction=None),
-                strategy=strategy, metrics=[accuracy],
+                **trained, metrics=[accuracy],
                 grad_accum_steps=config.grad_accum_steps,
                 clip_global_norm=config.clip_global_norm,
                 allreduce_dtype=config.allreduce_dtype,
@@ -485,7 +525,9 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         "examples_per_sec": max(0, progress_logger.step - (
             reached or progress_logger.first_step)) * examples_per_update
         / seconds,
-        "num_replicas": strategy.num_replicas_in_sync,
+        "num_replicas": plan.data_parallel if plan else
+        strategy.num_replicas_in_sync,
+        **({"pipeline": plan.metrics(trained["model"])} if plan else {}),
         "model_dir": model_dir,
         # This worker's gradient / parameter all-reduces, as issued.
         "communication": traffic,

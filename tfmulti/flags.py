@@ -96,6 +96,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "Mixed precision policy.", **fv)
     flags.DEFINE_bool("sync_batchnorm", False, "Synchronise BatchNorm "
                       "statistics across replicas.", **fv)
+    flags.DEFINE_bool("batchnorm", True, "BatchNormalization in the example "
+                      "CNN. --nobatchnorm trains the model a pipeline with "
+                      "micro-batches trains, with any strategy.", **fv)
     flags.DEFINE_integer("steps_per_loop", 50, "Steps per tf.function call "
                          "(steps_per_execution for model.fit).",
                          lower_bound=1, **fv)
@@ -114,8 +117,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "pipeline.", lower_bound=1, **fv)
     flags.DEFINE_integer("micro_batches", 1, "Micro-batches per step and "
                          "group with --pipeline_stages (the example CNN "
-                         "drops BatchNormalization when the batch is "
-                         "split).", lower_bound=1, **fv)
+                         "then runs without BatchNormalization, as "
+                         "--nobatchnorm; the run says so).", lower_bound=1,
+                         **fv)
     flags.DEFINE_integer("sync_every", 1, "Local SGD: workers average their "
                          "weights every this many updates (1: every update, "
                          "synchronous).", lower_bound=1, **fv)
@@ -156,7 +160,8 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         clip_global_norm=f.clip_global_norm,
         mixed_precision=None if f.mixed_precision == "none"
         else f.mixed_precision,
-        sync_batchnorm=f.sync_batchnorm, steps_per_loop=f.steps_per_loop,
+        sync_batchnorm=f.sync_batchnorm, batchnorm=f.batchnorm,
+        steps_per_loop=f.steps_per_loop,
         model_dir=f.model_dir, resume=f.resume, seed=f.seed,
         pipeline_stages=f.pipeline_stages, micro_batches=f.micro_batches,
         sync_every=f.sync_every, sync_warmup_steps=f.sync_warmup_steps,

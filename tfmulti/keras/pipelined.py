@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tfmulti import compat
 from tfmulti.pipeline import trainer_adapter
+from tfmulti.pipeline import unsupported
 from tfmulti.training import data_checks
 from tfmulti.training import step as step_lib
 
@@ -50,11 +51,9 @@ def checkpoint_optimizer(model):
     return adapter.optimizer_view, adapter.after_restore
 
 
-def _refuse(name, value, default, fix):
-    if value != default:
-        raise ValueError(
-            f"`{name}`={value!r} is not supported for a PipelinedModel "
-            f"trained with Keras `fit`; {fix}")
+def _refuse(**options):
+    unsupported.check("for a PipelinedModel trained with Keras `fit`",
+                      **options)
 
 
 def _reducing(loss):
@@ -87,11 +86,7 @@ def _compile(model, optimizer=None, loss=None, *, metrics=None,
             f"`loss`={loss!r} was given to compile, but the PipelinedModel "
             "computes its loss on the last stage. Pass the loss to "
             "PipelinedModel(...) and leave `loss` out of compile.")
-    _refuse("jit_compile", jit_compile, False,
-            "the stages run as separate device functions, not one XLA "
-            "cluster. Leave `jit_compile` at False.")
-    _refuse("loss_weights", loss_weights, None,
-            "the pipeline computes one loss. Leave `loss_weights` at None.")
+    _refuse(jit_compile=jit_compile, loss_weights=loss_weights)
     if not isinstance(steps_per_execution, int) or isinstance(
             steps_per_execution, bool) or steps_per_execution < 1:
         raise ValueError(f"`steps_per_execution` should be a positive int, "
@@ -153,14 +148,9 @@ def _check_training_data(pipe, x):
 def _fit(model, *args, **kwargs):
     bound = inspect.signature(type(model).fit).bind(model, *args, **kwargs)
     arguments = bound.arguments
-    for name, fix in (
-            ("class_weight", "the pipeline's loss averages every example "
-             "equally. Leave `class_weight` at None."),
-            ("sample_weight", "the pipeline's loss averages every example "
-             "equally. Leave `sample_weight` at None."),
-            ("validation_split", "pass `validation_data` instead.")):
-        default = inspect.signature(type(model).fit).parameters[name].default
-        _refuse(name, arguments.get(name, default), default, fix)
+    _refuse(**{name: arguments[name] for name in (
+        "class_weight", "sample_weight", "validation_split")
+        if name in arguments})
     adapter = adapter_of(model)
     _check_training_data(adapter.pipe, arguments.get("x"))
     # Keras ignores it for datasets, and warns when it is True (its
@@ -194,11 +184,8 @@ def distributed(pipe, *, grad_accum_steps, clip_global_norm, allreduce_dtype,
         pipe, optimizer=None, loss=None, strategy=None,
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype, mixed_precision=None,
-        on_nonfinite="raise", jit_compile=jit_compile)
-    for name, value in (("sync", sync), ("compression", compression)):
-        _refuse(name, value, None,
-                "the pipeline sums its groups' gradients every step. Pass "
-                f"`{name}`=None.")
+        on_nonfinite="raise", jit_compile=jit_compile, sync=sync,
+        compression=compression)
     model = pipe.model
     setattr(model, _STATE, adapter)
     # Instance attributes shadow the class's methods for this model only;

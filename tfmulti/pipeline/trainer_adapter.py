@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfmulti.pipeline import model as model_lib
+from tfmulti.pipeline import unsupported
 from tfmulti.training import step as step_lib
 
 
@@ -40,13 +41,6 @@ def refuse_keras_fit(model) -> None:
             "`km = tfmulti.keras.distributed(pipe)`, then `km.fit(...)`.")
 
 
-def _refuse(name, value, default, why):
-    if value != default:
-        raise ValueError(
-            f"`{name}`={value!r} is not supported for a PipelinedModel "
-            f"({why}); leave `{name}` at {default!r}.")
-
-
 class TrainerAdapter:
     """The pipeline-specific parts of a `Trainer` over a `PipelinedModel`.
 
@@ -57,14 +51,14 @@ class TrainerAdapter:
       strategy: the Trainer's strategy argument (must be None or the
         default strategy).
       grad_accum_steps, clip_global_norm, allreduce_dtype, mixed_precision,
-        on_nonfinite, jit_compile: the Trainer's options; those the
-        pipelined step does
-        not implement are refused here, by name.
+        on_nonfinite, jit_compile, sync, compression: the Trainer's
+        options; those the pipelined step does not implement are refused
+        (`unsupported.check`), by name.
     """
 
     def __init__(self, pipe, *, optimizer, loss, strategy, grad_accum_steps,
                  clip_global_norm, allreduce_dtype, mixed_precision,
-                 on_nonfinite, jit_compile):
+                 on_nonfinite, jit_compile, sync=None, compression=None):
         if optimizer is not None and optimizer is not pipe.optimizers[0][0]:
             raise ValueError(
                 "`optimizer` was given to the Trainer, but a PipelinedModel "
@@ -84,20 +78,12 @@ class TrainerAdapter:
                 "PipelinedModel, which places its stages on its own devices "
                 "(and its data-parallel groups with `data_parallel`). Pass "
                 "`strategy`=None.")
-        _refuse("grad_accum_steps", grad_accum_steps, 1,
-                "use more `micro_batches`: they accumulate the gradient")
-        _refuse("clip_global_norm", clip_global_norm, None,
-                "each stage is updated on its own device; use the "
-                "optimizer's clipnorm or clipvalue")
-        _refuse("allreduce_dtype", allreduce_dtype, None,
-                "the groups sum stage gradients in float32")
-        _refuse("mixed_precision", mixed_precision, None,
-                "no loss scaling across stages")
-        _refuse("on_nonfinite", on_nonfinite, "raise",
-                "no update is skipped across stages")
-        _refuse("jit_compile", jit_compile, False,
-                "the stages run as separate device functions, not one XLA "
-                "cluster")
+        unsupported.check(
+            "for a PipelinedModel", grad_accum_steps=grad_accum_steps,
+            clip_global_norm=clip_global_norm,
+            allreduce_dtype=allreduce_dtype, mixed_precision=mixed_precision,
+            on_nonfinite=on_nonfinite, jit_compile=jit_compile, sync=sync,
+            compression=compression)
         self.pipe = pipe
         self.model = pipe.model
         self.optimizer = pipe.optimizers[0][0]

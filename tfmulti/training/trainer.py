@@ -178,7 +178,8 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype, mixed_precision=mixed_precision,
-            on_nonfinite=on_nonfinite, jit_compile=jit_compile,
+            on_nonfinite=on_nonfinite, jit_compile=jit_compile, sync=sync,
+            compression=compression,
         ) if trainer_adapter.is_pipelined(model) else None
         if self._pipeline is not None:
             model, optimizer = self._pipeline.model, self._pipeline.optimizer
@@ -196,11 +197,6 @@ class Trainer:
             allreduce_dtype=allreduce_dtype)
         reduction.check_options(sync, compression,
                                 allreduce_dtype=allreduce_dtype)
-        if self._pipeline is not None and (sync or compression):
-            # The pipeline brings its own step, which has no reducer hook.
-            raise ValueError(
-                f"`sync`={sync!r} / `compression`={compression!r} do not "
-                "apply to a PipelinedModel; pass neither to train a pipeline.")
         if (sync or compression) and parameter_server.is_parameter_server(
                 _resolve_strategy(strategy, model)):
             # Asynchronous updates through the ps: no all-reduce to reduce.
