@@ -349,6 +349,10 @@ def test_recipe_flags():
     sync, compression = _parse("--compression=powersgd",
                                "--powersgd_rank=2").communication_options()
     assert (sync, compression) == (None, tfmulti.PowerSGD(rank=2))
+    # Issue 27: by default a dense warm-up, the library's and the flag's.
+    assert compression.start_iter == powersgd.DEFAULT_START_ITER > 0
+    assert _parse("--compression=powersgd", "--powersgd_start_iter=0"
+                  ).communication_options()[1].start_iter == 0
     # The defaults are the synchronous update.
     assert _parse().communication_options() == (None, None)
     with pytest.raises(ValueError, match="`sync`"):

@@ -45,6 +45,11 @@ MODES = {
         # replicas per seed (about 20 minutes per seed on 2 cores; --seeds
         # adds seeds).
         "communication_reduction": {"steps": 1248, "global_batch_size": 64},
+        # The recipe's command lines at their defaults, 2 workers: 2-5
+        # minutes per row and seed on 2 shared cores.
+        "recipes": {"steps": 300, "seeds": (0, 1, 2),
+                    "rows": ("sync", "parameter_server", "powersgd_r4",
+                             "local_sgd_h8", "pipeline")},
     },
     "quick": {
         "replicas": (1, 4),
@@ -76,7 +81,7 @@ MODES = {
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "accumulation_memory", "soak", "pipeline_bubble",
-              "communication_reduction")
+              "communication_reduction", "recipes")
 
 
 def _kill(proc):
@@ -248,11 +253,28 @@ def _pipeline_bubble(mode, timeout):
             for s in mode["pipeline_bubble"]["stages"]}
 
 
+def _recipes(mode, timeout):
+    if "recipes" not in mode:
+        return None  # not in --quick / --tiny
+    import tempfile
+    from tfmulti.bench import recipe_commands
+    from tfmulti.data import shapes
+    data_dir = mode.get("data_dir") or tempfile.mkdtemp(
+        prefix="tfmulti_bench_")
+    shapes.prepare_default(data_dir)
+    settings = mode["recipes"]
+    return recipe_commands.run(
+        out=os.path.join(mode["out"], "recipes"), steps=settings["steps"],
+        seeds=settings["seeds"], rows=settings["rows"], data_dir=data_dir,
+        timeout=max(timeout, 1800))
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
            "pipeline_bubble": _pipeline_bubble,
-           "communication_reduction": _communication_reduction}
+           "communication_reduction": _communication_reduction,
+           "recipes": _recipes}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -281,10 +303,10 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                          f"choose from {list(PART_NAMES)}.")
     began = time.monotonic()
     load_start = os.getloadavg()
-    settings = dict(MODES[mode], data_dir=data_dir)
-    if seeds is not None and "communication_reduction" in settings:
-        settings["communication_reduction"] = dict(
-            settings["communication_reduction"], seeds=tuple(seeds))
+    settings = dict(MODES[mode], data_dir=data_dir, out=out)
+    for name in ("communication_reduction", "recipes"):
+        if seeds is not None and name in settings:
+            settings[name] = dict(settings[name], seeds=tuple(seeds))
     results = {"schema_version": report.SCHEMA_VERSION,
                "machine": report.machine(),
                "settings": dict(settings, mode=mode,
@@ -292,7 +314,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
                "soak": None, "pipeline_bubble": None,
-               "communication_reduction": None, "errors": {},
+               "communication_reduction": None, "recipes": None,
+               "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):
@@ -341,9 +364,9 @@ def main(argv=None):
                         help="TFDS data dir for tfmulti_shapes (default: "
                         "prepared in a temporary directory)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="seeds of the communication_reduction part "
-                        "(one training per configuration and seed; "
-                        "default: 0 only)")
+                        help="seeds of the communication_reduction and "
+                        "recipes parts (one training per configuration and "
+                        "seed; default: 0 only, and 0 1 2 for recipes)")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     results = run(out=args.out, mode=mode, only=args.only,
