@@ -224,15 +224,20 @@ def _soak(mode, timeout):
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
         for entry, configs in zip(("trainer", "fit"), _two_clusters())},
         True)
-def _communication_reduction(mode, timeout):
-    if "communication_reduction" not in mode:
-        return None  # not in --quick / --tiny
+def _prepared_data_dir(mode):
+    """`tfmulti_shapes` prepared once here, so the workers only read it."""
     import tempfile
     from tfmulti.data import shapes
     data_dir = mode.get("data_dir") or tempfile.mkdtemp(
         prefix="tfmulti_bench_")
-    # Prepared once here, so the workers only read it.
     shapes.prepare_default(data_dir)
+    return data_dir
+
+
+def _communication_reduction(mode, timeout):
+    if "communication_reduction" not in mode:
+        return None  # not in --quick / --tiny
+    data_dir = _prepared_data_dir(mode)
     configs = cluster_lib.local_cluster(2)
     return _run_part(
         "communication_reduction",
@@ -256,12 +261,8 @@ def _pipeline_bubble(mode, timeout):
 def _recipes(mode, timeout):
     if "recipes" not in mode:
         return None  # not in --quick / --tiny
-    import tempfile
     from tfmulti.bench import recipe_commands
-    from tfmulti.data import shapes
-    data_dir = mode.get("data_dir") or tempfile.mkdtemp(
-        prefix="tfmulti_bench_")
-    shapes.prepare_default(data_dir)
+    data_dir = _prepared_data_dir(mode)
     settings = mode["recipes"]
     return recipe_commands.run(
         out=os.path.join(mode["out"], "recipes"), steps=settings["steps"],
