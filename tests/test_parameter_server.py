@@ -85,6 +85,36 @@ def test_other_strategies_refuse_ps_tasks():
         tfmulti.create_strategy("multi_worker", cluster=config)
 
 
+def test_async_warmup_is_the_default_and_only_for_parameter_servers():
+    import tfmulti
+    from tests.test_recipes import _parse
+    from tfmulti import experiment
+    from tfmulti.training import async_trainer
+    assert async_trainer.DEFAULT_WARMUP_STEPS == 100
+    config = _parse("--strategy=parameter_server")
+    assert config.async_warmup_steps is None
+    assert experiment._length_notes(config, None, 300, True) == [
+        "asynchronous: the learning rate warms up over the first 100 of 300 "
+        "updates (--async_warmup_steps=100); stale gradients without it can "
+        "keep the model at chance for hundreds of updates."]
+    assert "first 0 of" in experiment._length_notes(
+        _parse("--strategy=parameter_server", "--async_warmup_steps=0"),
+        None, 300, True)[0]
+    with pytest.raises(experiment.ConfigError,
+                       match="`async_warmup_steps`=50 .* 'mirrored'"):
+        _parse("--strategy=mirrored", "--async_warmup_steps=50")
+    import keras
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="`async_warmup_steps`=5 warms up "
+                       "asynchronous updates, but the strategy is"):
+        tfmulti.Trainer(model, keras.optimizers.SGD(), loss=lambda y, p: p,
+                        async_warmup_steps=5)
+    with pytest.raises(ValueError, match="`async_warmup_steps` should be an "
+                       "int >= 0.*-1"):
+        tfmulti.Trainer(model, keras.optimizers.SGD(), loss=lambda y, p: p,
+                        async_warmup_steps=-1)
+
+
 def test_ps_cluster_properties():
     config = cl.cluster_config(
         {**_cluster(chief=1, worker=2, ps=2), "task": {"type": "ps",
