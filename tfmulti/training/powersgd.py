@@ -31,7 +31,8 @@ from tfmulti.training import gradients as gradients_lib
 # from the first update rank 4 ended 4.8 points below synchronous at 624
 # updates of 64, and 16 dense updates still left 1.65; the model first has
 # to leave its plateau at chance (about 100-150 updates of 64) on full
-# gradients. PyTorch's own default is 1000.
+# gradients. PyTorch's own default is 1000, which a run of the recipe's
+# length would never reach.
 DEFAULT_START_ITER = 100
 
 
@@ -52,10 +53,10 @@ class PowerSGD:
         compression starts (PyTorch's `start_powerSGD_iter`): the early
         gradients change fast and a low-rank approximation of them loses
         most; 0 compresses from the first update. The default,
-        `DEFAULT_START_ITER`, is what the recipe's default run (300-470
-        updates of 128) needs to end within a point of synchronous
-        accuracy; a run of thousands of updates can start sooner (32 of
-        1248 did: docs/communication.md) and keep more of the saving.
+        `DEFAULT_START_ITER`, is for runs of a few hundred updates like the
+        recipe's (which still end below synchronous: docs/communication.md
+        has the figures); a run of thousands of updates can start sooner
+        (32 of 1248 did) and keep more of the saving.
     """
 
     rank: int = 4
