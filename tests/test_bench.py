@@ -134,3 +134,57 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
     if importlib.util.find_spec("matplotlib") is not None:
         for name in ("steps_per_s.png", "scaling.png", "communication.png"):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recipe_rows_are_the_recipe_command_lines_judged_by_interval():
+    """The `recipes` part's plumbing, without training: each row's command
+    line parses as the recipe's flags, paired gaps get Student's t interval,
+    and a goal is met only by the interval's far end."""
+    from tests.test_recipes import _parse
+    from tfmulti.bench import recipe_commands as rc
+    for row in rc.ROWS:
+        cmd = rc.command(row, seed=3, steps=300, model_dir="/m",
+                         data_dir="/d")
+        assert cmd[:3] == ["tfmulti-launch", "--workers", "2"]
+        recipe = cmd[cmd.index("recipes.custom_loop") + 1:]
+        config = _parse(*recipe)
+        assert (config.steps, config.seed, config.model_dir,
+                config.data_dir) == (300, 3, "/m", "/d")
+        # Every other flag at its default.
+        assert len(recipe) == len(rc.ROWS[row][0]) + 4
+    assert "--ps" in rc.command("parameter_server", seed=0, steps=1,
+                                model_dir="/m", data_dir=None)
+    # mean 2, sd 1, n 3: half-width t(2) * 1 / sqrt(3).
+    mean, low, high = rc.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and high - mean == pytest.approx(4.303 / 3 ** 0.5)
+    assert rc.judge(-0.5, 0.9, 1.0) == "met"
+    assert rc.judge(-0.5, 1.1, 1.0) == "not shown"
+    assert rc.judge(1.2, 3.0, 1.0) == "MISSED"
+
+    def run(accuracy, nbytes):
+        return {"accuracy": accuracy, "seconds": 60.0,
+                "inter_worker_bytes": nbytes}
+
+    runs = {"sync": {"0": run(0.90, 800), "1": run(0.80, 800),
+                     "2": run(0.85, 800)},
+            "local_sgd_h8": {"0": run(0.899, 100), "1": run(0.795, 100),
+                             "2": run(0.848, 100)},
+            "parameter_server": {"0": run(0.50, 0), "1": run(0.40, 0),
+                                 "2": {"error": "exit 1: ..."}}}
+    rows = rc.summarize(runs)
+    h8 = rows["local_sgd_h8"]
+    assert h8["gap_points"] == pytest.approx([0.1, 0.5, 0.2])
+    assert h8["fewer_bytes_than_sync"] == 8.0
+    assert rows["parameter_server"]["paired_seeds"] == 2
+    assert "fewer_bytes_than_sync" not in rows["parameter_server"]
+    found = {g["name"].split(":")[0]: g for g in rc.goals(rows)}
+    assert found["recipe --sync_every=8"]["status"] == "met"
+    assert found["recipe --strategy=parameter_server"]["status"] == "MISSED"
+    table = "\n".join(rc.markdown({"settings": {"steps": 300, "workers": 2},
+                                   "rows": rows}))
+    assert "| parameter_server | `--ps 1 --strategy=parameter_server` | " \
+           "0,1 (failed: 2) | 45.00% |" in table
+    # The report carries the part's goals and table.
+    results = {"recipes": {"settings": {"steps": 300, "workers": 2},
+                           "rows": rows}}
+    assert [g["status"] for g in report.goals(results)] == ["met", "MISSED"]

@@ -349,6 +349,22 @@ def test_recipe_flags():
     sync, compression = _parse("--compression=powersgd",
                                "--powersgd_rank=2").communication_options()
     assert (sync, compression) == (None, tfmulti.PowerSGD(rank=2))
+    # Issue 27: by default a dense warm-up, the library's and the flag's.
+    assert compression.start_iter == powersgd.DEFAULT_START_ITER > 0
+    assert _parse("--compression=powersgd", "--powersgd_start_iter=0"
+                  ).communication_options()[1].start_iter == 0
+    # The line the recipe prints before training, naming the flag.
+    from tfmulti import experiment
+    config = _parse("--compression=powersgd", "--steps=300")
+    compression = config.communication_options()[1]
+    notes = experiment._length_notes(config, compression, 300, False)
+    assert notes == [
+        "PowerSGD: the first 100 of 300 updates are dense "
+        "(--powersgd_start_iter=100); right for a few hundred updates, a run "
+        "of thousands can start compressing sooner and send fewer bytes."]
+    assert "nothing is compressed" in experiment._length_notes(
+        config, compression, 80, False)[0]
+    assert experiment._length_notes(_parse(), None, 300, False) == []
     # The defaults are the synchronous update.
     assert _parse().communication_options() == (None, None)
     with pytest.raises(ValueError, match="`sync`"):

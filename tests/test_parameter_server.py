@@ -85,6 +85,36 @@ def test_other_strategies_refuse_ps_tasks():
         tfmulti.create_strategy("multi_worker", cluster=config)
 
 
+def test_async_warmup_is_the_default_and_only_for_parameter_servers():
+    import tfmulti
+    from tests.test_recipes import _parse
+    from tfmulti import experiment
+    from tfmulti.training import async_trainer
+    assert async_trainer.DEFAULT_WARMUP_STEPS == 100
+    config = _parse("--strategy=parameter_server")
+    assert config.async_warmup_steps is None
+    assert experiment._length_notes(config, None, 300, True) == [
+        "asynchronous: the learning rate warms up over the first 100 of 300 "
+        "updates (--async_warmup_steps=100); stale gradients without it can "
+        "keep the model at chance for hundreds of updates."]
+    assert "first 0 of" in experiment._length_notes(
+        _parse("--strategy=parameter_server", "--async_warmup_steps=0"),
+        None, 300, True)[0]
+    with pytest.raises(experiment.ConfigError,
+                       match="`async_warmup_steps`=50 .* 'mirrored'"):
+        _parse("--strategy=mirrored", "--async_warmup_steps=50")
+    import keras
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="`async_warmup_steps`=5 warms up "
+                       "asynchronous updates, but the strategy is"):
+        tfmulti.Trainer(model, keras.optimizers.SGD(), loss=lambda y, p: p,
+                        async_warmup_steps=5)
+    with pytest.raises(ValueError, match="`async_warmup_steps` should be an "
+                       "int >= 0.*-1"):
+        tfmulti.Trainer(model, keras.optimizers.SGD(), loss=lambda y, p: p,
+                        async_warmup_steps=-1)
+
+
 def test_ps_cluster_properties():
     config = cl.cluster_config(
         {**_cluster(chief=1, worker=2, ps=2), "task": {"type": "ps",
@@ -300,7 +330,9 @@ def test_async_accuracy_is_within_2_points_of_sync(tmp_path,
     synchronous test accuracy over the same examples.
 
     1000 steps of 64 (3.2 epochs), Adam 1e-3 warmed up linearly over the
-    first 150 steps and stepped down over the last 30%, in both runs. Both
+    first 150 steps (asynchronous: the Trainer's `async_warmup_steps`;
+    synchronous: the same schedule) and stepped down over the last 30%, in
+    both runs. docs/parameter_server.md states this bound. Both
     converge; the warm-up is what makes the asynchronous run reliable:
     without it the model sits at chance for 100-400 steps, longer with
     stale gradients, and async ended 92.2-97.1% against sync 96.7% (within
@@ -323,11 +355,20 @@ def test_async_accuracy_is_within_2_points_of_sync(tmp_path,
         subproc._kill(golden)
     sync, run = (json.loads(p.read_text()) for p in (sync_out, out))
     assert run["step"] == sync["step"] == ACCURACY_STEPS
-    # Fault-free: every closure ran and was applied once.
-    assert set(run["claimed"]) == set(run["completed"]) == {1}
+    # Every step claimed exactly once (at most once, and none skipped).
+    # Nothing is killed here, but on a slow or loaded machine TensorFlow
+    # may still retry a closure (a worker slow to answer), and an update
+    # cut off that way is lost, never applied twice: counted, not failed.
+    claimed, completed = run["claimed"], run["completed"]
+    lost = sum(claimed) - sum(completed)
+    assert claimed == [1] * ACCURACY_STEPS, sorted(set(claimed))
+    assert all(c in (0, 1) for c in completed), sorted(set(completed))
+    assert lost == run["history"]["lost_updates"][-1]
     gap = run["accuracy"] - sync["accuracy"]
     print(f"sync accuracy {sync['accuracy']:.4f}, async "
-          f"{run['accuracy']:.4f} (async - sync {100 * gap:+.2f} points)")
+          f"{run['accuracy']:.4f} (async - sync {100 * gap:+.2f} points); "
+          f"retried closures {run['history']['retried_closures'][-1]}, "
+          f"lost updates {lost}")
     assert sync["accuracy"] > 0.93  # converged: the comparison means something
     assert abs(gap) <= ACCURACY_TOLERANCE, (sync["accuracy"],
                                            run["accuracy"])

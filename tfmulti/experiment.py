@@ -37,7 +37,7 @@ RESUME_MUST_MATCH = (
     "grad_accum_steps", "clip_global_norm", "mixed_precision",
     "sync_batchnorm", "batchnorm", "seed", "sync_every", "sync_warmup_steps",
     "outer_learning_rate", "outer_momentum", "compression", "powersgd_rank",
-    "powersgd_start_iter")
+    "powersgd_start_iter", "async_warmup_steps")
 
 
 class ConfigError(ValueError):
@@ -90,7 +90,10 @@ class ExperimentConfig:
     outer_momentum: float = 0.0
     compression: str = "none"
     powersgd_rank: int = 4
-    powersgd_start_iter: int = 0
+    # None: the library's defaults (tfmulti.PowerSGD's start_iter, the
+    # asynchronous Trainer's warm-up).
+    powersgd_start_iter: int | None = None
+    async_warmup_steps: int | None = None
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -130,12 +133,21 @@ class ExperimentConfig:
                 "SGD, but `sync_every` is 1 (every update is synchronous). "
                 "Pass sync_every > 1, or leave sync_warmup_steps at 0.",
                 flag="sync_warmup_steps")
-        if self.powersgd_start_iter and self.compression != "powersgd":
+        if (self.powersgd_start_iter is not None and
+                self.compression != "powersgd"):
             raise ConfigError(
                 f"`powersgd_start_iter`={self.powersgd_start_iter} delays "
                 "PowerSGD, but `compression` is "
                 f"{self.compression!r}. Pass compression=powersgd, or leave "
                 "powersgd_start_iter at 0.", flag="powersgd_start_iter")
+        if self.async_warmup_steps is not None and self.strategy not in (
+                "parameter_server", "auto"):
+            raise ConfigError(
+                f"`async_warmup_steps`={self.async_warmup_steps} warms up "
+                "asynchronous updates, but `strategy` is "
+                f"{self.strategy!r}. Pass strategy=parameter_server, or use "
+                "warmup_steps for a synchronous run.",
+                flag="async_warmup_steps")
         if (self.sync_every, self.outer_learning_rate, self.outer_momentum,
                 self.compression) != (1, 1.0, 0.0, "none"):
             # Built here so that bad values fail before any training; only
@@ -165,8 +177,9 @@ class ExperimentConfig:
             sync = local_sgd.LocalSGD(every=self.sync_every,
                                       outer_optimizer=outer,
                                       warmup_steps=self.sync_warmup_steps)
-        compression = powersgd.PowerSGD(
-            rank=self.powersgd_rank, start_iter=self.powersgd_start_iter) if (
+        start = {} if self.powersgd_start_iter is None else {
+            "start_iter": self.powersgd_start_iter}
+        compression = powersgd.PowerSGD(rank=self.powersgd_rank, **start) if (
             self.compression == "powersgd") else None
         reduction.check_options(sync, compression,
                                 allreduce_dtype=self.allreduce_dtype)
@@ -440,6 +453,11 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
     sync, compression = config.communication_options()
+    if is_chief and verbose:
+        for note in _length_notes(config, compression, total_steps,
+                                  parameter_server.is_parameter_server(
+                                      strategy)):
+            print(note, flush=True)
     progress_logger = progress.ProgressLogger(
         total_steps=total_steps,
         steps_per_epoch=min(total_steps, steps_per_epoch),
@@ -466,7 +484,9 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 allreduce_dtype=config.allreduce_dtype,
                 steps_per_loop=config.steps_per_loop,
                 mixed_precision=config.mixed_precision,
-                model_dir=model_dir, sync=sync, compression=compression)
+                model_dir=model_dir, sync=sync, compression=compression,
+                **({"async_warmup_steps": config.async_warmup_steps}
+                   if config.async_warmup_steps is not None else {}))
             history = trainer.fit(train, steps=total_steps, eval_data=test,
                                   eval_every=steps_per_epoch,
                                   global_batch_size=config.global_batch_size,
@@ -542,6 +562,36 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 metrics, model_dir=model_dir, checkpoints=checkpoints,
                 wall_seconds=time.perf_counter() - began), flush=True)
     return metrics
+
+
+def _length_notes(config: ExperimentConfig, compression, total_steps: int,
+                  asynchronous: bool) -> list[str]:
+    """One line per default whose best value depends on the run's length."""
+    notes = []
+    if compression is not None:
+        start = compression.start_iter
+        if start >= total_steps:
+            notes.append(
+                f"PowerSGD: all {total_steps} updates are dense "
+                f"(--powersgd_start_iter={start}), so nothing is compressed; "
+                "lower --powersgd_start_iter to compress.")
+        else:
+            notes.append(
+                f"PowerSGD: the first {start} of {total_steps} updates are "
+                f"dense (--powersgd_start_iter={start}); right for a few "
+                "hundred updates, a run of thousands can start compressing "
+                "sooner and send fewer bytes.")
+    if asynchronous:
+        from tfmulti.training import async_trainer
+        warmup = (async_trainer.DEFAULT_WARMUP_STEPS
+                  if config.async_warmup_steps is None
+                  else config.async_warmup_steps)
+        notes.append(
+            f"asynchronous: the learning rate warms up over the first "
+            f"{warmup} of {total_steps} updates (--async_warmup_steps="
+            f"{warmup}); stale gradients without it can keep the model at "
+            "chance for hundreds of updates.")
+    return notes
 
 
 def input_data(config: ExperimentConfig, strategy, *,

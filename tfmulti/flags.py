@@ -135,10 +135,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "Gradient compression: PowerSGD or none.", **fv)
     flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD rank.",
                          lower_bound=1, **fv)
-    flags.DEFINE_integer("powersgd_start_iter", 0, "PowerSGD: dense "
+    flags.DEFINE_integer("powersgd_start_iter", None, "PowerSGD: dense "
                          "(uncompressed) updates before compression starts, "
-                         "as PyTorch's start_powerSGD_iter.", lower_bound=0,
-                         **fv)
+                         "as PyTorch's start_powerSGD_iter; default: "
+                         "tfmulti.PowerSGD's (100).", lower_bound=0, **fv)
+    flags.DEFINE_integer("async_warmup_steps", None, "Parameter servers: "
+                         "asynchronous updates over which the learning rate "
+                         "warms up linearly; default: the Trainer's (100); "
+                         "0: none.", lower_bound=0, **fv)
 
 
 def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
@@ -168,7 +172,8 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         outer_learning_rate=f.outer_learning_rate,
         outer_momentum=f.outer_momentum, compression=f.compression,
         powersgd_rank=f.powersgd_rank,
-        powersgd_start_iter=f.powersgd_start_iter)
+        powersgd_start_iter=f.powersgd_start_iter,
+        async_warmup_steps=f.async_warmup_steps)
 
 
 def _usage_error(message: str, flag: str | None = None,

@@ -43,8 +43,10 @@ EVAL = 100  # examples of the evaluation between synchronisations
 rng = np.random.default_rng(0)
 X = rng.normal(size=(512, 8)).astype("float32")
 Y = rng.integers(0, 3, size=(512,)).astype("int32")
-# Compress every matrix, even where a rank-r factorisation is larger.
-FULL_RANK = tfmulti.PowerSGD(rank=16, min_compression_rate=0.01)
+# Compress every matrix, even where a rank-r factorisation is larger, from
+# the first update (not after the default dense warm-up).
+FULL_RANK = tfmulti.PowerSGD(rank=16, min_compression_rate=0.01,
+                             start_iter=0)
 SGD = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
 ADAM = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
 
@@ -253,7 +255,7 @@ if MODE == "mirrored":
     trainer.fit(dataset(), steps=3, verbose=0)
     trainer = tfmulti.Trainer(
         model, trainer.optimizer, strategy=strategy, steps_per_loop=5,
-        compression=tfmulti.PowerSGD(rank=1),
+        compression=tfmulti.PowerSGD(rank=1, start_iter=0),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                         reduction=None))
     results["powersgd_r1_after_3_sync"] = result(

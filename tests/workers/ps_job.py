@@ -11,7 +11,8 @@ Both train STEPS steps of BATCH examples (the same examples seen) and write
 {"accuracy", "step", "history", "iterations", "attempts", "claimed",
 "completed"} to OUT_JSON.
 Environment: PS_JOB_STEPS, PS_JOB_BATCH, PS_JOB_LOOP (steps per loop),
-PS_JOB_LR, PS_JOB_WARMUP (steps of linear warm-up), PS_JOB_STALL (the
+PS_JOB_LR, PS_JOB_WARMUP (steps of linear warm-up; 0, the default: none,
+also in the asynchronous run), PS_JOB_STALL (the
 strategy's `stall_timeout_seconds`) and PS_JOB_EVAL_EVERY (test accuracy
 every N steps, in the history).
 """
@@ -83,9 +84,11 @@ with strategy.scope():
     # A linear warm-up over the first PS_JOB_WARMUP steps: without it the
     # model sits at chance for a variable 100-400 steps, longer with stale
     # gradients, and the asynchronous run's accuracy is a lottery
-    # (BUILD_NOTES, issue 16).
+    # (BUILD_NOTES, issue 16). The asynchronous run gets it from the
+    # Trainer (`async_warmup_steps`, what API and recipe users get), the
+    # synchronous golden run as the same linear schedule.
     WARMUP = int(os.environ.get("PS_JOB_WARMUP", "0"))
-    if WARMUP:
+    if WARMUP and MODE != "async":
         class Warmup(keras.optimizers.schedules.LearningRateSchedule):
             def __call__(self, step):
                 step = keras.ops.cast(step, "float32")
@@ -99,7 +102,8 @@ trainer = tfmulti.Trainer(
     model, optimizer, strategy=strategy, metrics=["sparse_categorical_accuracy"],
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                     reduction=None),
-    steps_per_loop=LOOP, model_dir=MODEL_DIR)
+    steps_per_loop=LOOP, model_dir=MODEL_DIR,
+    **({"async_warmup_steps": WARMUP} if MODE == "async" else {}))
 
 
 train_data = train_fn if MODE == "async" else tfmulti.distribute_dataset(

@@ -46,6 +46,11 @@ MODES = {
         # replicas per seed (about 20 minutes per seed on 2 cores; --seeds
         # adds seeds).
         "communication_reduction": {"steps": 1248, "global_batch_size": 64},
+        # The recipe's command lines at their defaults, 2 workers: 2-5
+        # minutes per row and seed on 2 shared cores.
+        "recipes": {"steps": 300, "seeds": (0, 1, 2),
+                    "rows": ("sync", "parameter_server", "powersgd_r4",
+                             "local_sgd_h8", "pipeline")},
     },
     "quick": {
         "replicas": (1, 4),
@@ -77,7 +82,7 @@ MODES = {
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "accumulation_memory", "soak", "pipeline_bubble",
-              "communication_reduction")
+              "communication_reduction", "recipes")
 
 
 def _kill(proc):
@@ -220,15 +225,20 @@ def _soak(mode, timeout):
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
         for entry, configs in zip(("trainer", "fit"), _two_clusters())},
         True)
-def _communication_reduction(mode, timeout):
-    if "communication_reduction" not in mode:
-        return None  # not in --quick / --tiny
+def _prepared_data_dir(mode):
+    """`tfmulti_shapes` prepared once here, so the workers only read it."""
     import tempfile
     from tfmulti.data import shapes
     data_dir = mode.get("data_dir") or tempfile.mkdtemp(
         prefix="tfmulti_bench_")
-    # Prepared once here, so the workers only read it.
     shapes.prepare_default(data_dir)
+    return data_dir
+
+
+def _communication_reduction(mode, timeout):
+    if "communication_reduction" not in mode:
+        return None  # not in --quick / --tiny
+    data_dir = _prepared_data_dir(mode)
     configs = cluster_lib.local_cluster(2)
     return _run_part(
         "communication_reduction",
@@ -249,11 +259,24 @@ def _pipeline_bubble(mode, timeout):
             for s in mode["pipeline_bubble"]["stages"]}
 
 
+def _recipes(mode, timeout):
+    if "recipes" not in mode:
+        return None  # not in --quick / --tiny
+    from tfmulti.bench import recipe_commands
+    data_dir = _prepared_data_dir(mode)
+    settings = mode["recipes"]
+    return recipe_commands.run(
+        out=os.path.join(mode["out"], "recipes"), steps=settings["steps"],
+        seeds=settings["seeds"], rows=settings["rows"], data_dir=data_dir,
+        timeout=max(timeout, 1800))
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
            "pipeline_bubble": _pipeline_bubble,
-           "communication_reduction": _communication_reduction}
+           "communication_reduction": _communication_reduction,
+           "recipes": _recipes}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -282,10 +305,10 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                          f"choose from {list(PART_NAMES)}.")
     began = time.monotonic()
     load_start = os.getloadavg()
-    settings = dict(MODES[mode], data_dir=data_dir)
-    if seeds is not None and "communication_reduction" in settings:
-        settings["communication_reduction"] = dict(
-            settings["communication_reduction"], seeds=tuple(seeds))
+    settings = dict(MODES[mode], data_dir=data_dir, out=out)
+    for name in ("communication_reduction", "recipes"):
+        if seeds is not None and name in settings:
+            settings[name] = dict(settings[name], seeds=tuple(seeds))
     results = {"schema_version": report.SCHEMA_VERSION,
                "machine": report.machine(),
                "settings": dict(settings, mode=mode,
@@ -293,7 +316,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
                "soak": None, "pipeline_bubble": None,
-               "communication_reduction": None, "errors": {},
+               "communication_reduction": None, "recipes": None,
+               "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):
@@ -342,9 +366,9 @@ def main(argv=None):
                         help="TFDS data dir for tfmulti_shapes (default: "
                         "prepared in a temporary directory)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="seeds of the communication_reduction part "
-                        "(one training per configuration and seed; "
-                        "default: 0 only)")
+                        help="seeds of the communication_reduction and "
+                        "recipes parts (one training per configuration and "
+                        "seed; default: 0 only, and 0 1 2 for recipes)")
     args = parser.parse_args(argv)
     # Before any part imports TensorFlow here: its start-up lines off.
     quiet_logging.quiet([])

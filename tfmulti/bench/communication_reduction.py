@@ -84,8 +84,9 @@ def options(name):
         "diloco_h32": (tfmulti.LocalSGD(
             every=32, outer_optimizer=tfmulti.OuterSGD(learning_rate=0.7,
                                                        momentum=0.9)), None),
-        "powersgd_r1": (None, tfmulti.PowerSGD(rank=1)),
-        "powersgd_r4": (None, tfmulti.PowerSGD(rank=4)),
+        # Compressed from the first update (no dense warm-up).
+        "powersgd_r1": (None, tfmulti.PowerSGD(rank=1, start_iter=0)),
+        "powersgd_r4": (None, tfmulti.PowerSGD(rank=4, start_iter=0)),
         # Warm-ups as a user of PyTorch's hooks would add them: post-local
         # SGD's synchronous start, PowerSGD's dense `start_powerSGD_iter`.
         # 32 dense updates of 1248 keep PowerSGD rank 4 above 10x fewer

@@ -131,6 +131,10 @@ def goals(results: dict) -> list[dict]:
     reduced = (results.get("communication_reduction") or {}).get("configs")
     if reduced:
         found.extend(communication_reduction.goals(reduced))
+    recipe_rows = (results.get("recipes") or {}).get("rows")
+    if recipe_rows:
+        from tfmulti.bench import recipe_commands
+        found.extend(recipe_commands.goals(recipe_rows))
     mem = results.get("accumulation_memory")
     if mem:
         add("peak memory: accumulate K x B / batch B", mem["accum_vs_batch"],
@@ -270,6 +274,10 @@ def markdown(results: dict) -> str:
                   f"small_cnn, {reduced['settings']['steps']} steps of "
                   f"{reduced['settings']['global_batch_size']})", ""]
         lines += communication_reduction.markdown(reduced)
+    if results.get("recipes"):
+        from tfmulti.bench import recipe_commands
+        lines += ["", "## The recipe's commands at their defaults", ""]
+        lines += recipe_commands.markdown(results["recipes"])
     if results["errors"]:
         lines += ["", "## Errors", ""]
         lines += [f"- {part}: {msg.splitlines()[-1] if msg else ''}"

@@ -123,6 +123,22 @@ def _check_per_example(per_example):
             "reduction=None), or a function returning shape [batch].")
 
 
+def _async_warmup_steps(value, strategy):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"`async_warmup_steps` should be an int >= 0 (asynchronous "
+            f"updates over which the rate warms up; 0: none), got {value!r}.")
+    if not parameter_server.is_parameter_server(strategy):
+        raise ValueError(
+            f"`async_warmup_steps`={value} warms up asynchronous updates, but "
+            f"the strategy is {type(strategy).__name__}, whose updates are "
+            "synchronous. Drop it, or warm the optimizer's learning rate up "
+            "(tfmulti.scaled_learning_rate(..., warmup_steps=...)).")
+    return value
+
+
 def _check_eval_data(eval_data):
     finiteness.check_finite(eval_data, arg="eval_data", fix=(
         "Pass an exact-once evaluation stream: tfmulti.distribute_"
@@ -163,6 +179,10 @@ class Trainer:
       jit_compile: compile each replica's forward and backward with XLA
         (`tfmulti.training.xla`); an op XLA cannot compile raises
         `XlaCompileError` naming its layer at the first step.
+      async_warmup_steps: under ParameterServerStrategy only: the first W
+        asynchronous updates are scaled by k/W (a linear warm-up of the
+        learning rate on top of the optimizer's own); None: 100
+        (`async_trainer.DEFAULT_WARMUP_STEPS`); 0: none.
     """
 
     def __init__(self, model, optimizer=None, *, loss=None, strategy=None,
@@ -170,7 +190,7 @@ class Trainer:
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
                  on_nonfinite="raise", sync=None, compression=None,
-                 jit_compile=False):
+                 jit_compile=False, async_warmup_steps=None):
         from tfmulti.pipeline import trainer_adapter
         # A PipelinedModel brings its own step; the rest of fit is shared.
         self._pipeline = trainer_adapter.TrainerAdapter(
@@ -207,6 +227,8 @@ class Trainer:
             "steps_per_loop", steps_per_loop,
             "It is how many steps run inside one tf.function call.")
         self.strategy = _resolve_strategy(strategy, model)
+        self._async_warmup_steps = _async_warmup_steps(
+            async_warmup_steps, self.strategy)
         if self._pipeline is None:
             check_created_in_scope(self.strategy, model, optimizer)
         self.model = model
