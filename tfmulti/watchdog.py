@@ -1,7 +1,8 @@
 """Watchdog: a stuck peer fails a multi-worker job instead of hanging it.
 
 A dead peer is caught by TensorFlow's coordination service (its heartbeat
-fails every survivor's collectives within about 10 s). A peer that is alive
+fails every survivor's collectives within 15 s: a worker is declared dead
+after 10 s without a heartbeat). A peer that is alive
 but stuck (a deadlock, a hung filesystem) is not: the other workers wait in
 their next collective forever. TensorFlow's per-collective
 `CommunicationOptions(timeout_seconds=...)` bounds that wait, but it
