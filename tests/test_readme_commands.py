@@ -41,7 +41,8 @@ def test_main_job_reaches_the_stated_test_accuracy(tmp_path, shapes_data_dir):
     assert command == ("pip install -e . && python -m recipes.keras_fit "
                        "--cpu_replicas=2")
     low, high = (float(v) / 100 for v in re.search(
-        r"test accuracy (\d+)-(\d+)% measured", README).groups())
+        r"test accuracy (\d+)-(\d+)%, tested at the\s+default seed", README
+    ).groups())
     run_python(["-m", "recipes.keras_fit", "--cpu_replicas=2",
                 f"--model_dir={tmp_path / 'run'}",
                 f"--data_dir={shapes_data_dir}"], timeout=900)
