@@ -57,9 +57,9 @@ def translated(strategy):
             cause = (
                 "a loop of training steps waited `stall_timeout_"
                 f"seconds`={dog.timeout_seconds:g} of create_strategy "
-                f"({max(dog.timeout_seconds, watchdog.FIRST_LOOP_SECONDS):g} s"
-                " before this worker's first loop, "
-                "which also traces the step): "
+                f"({dog.fired_bound:g} s; the first run of each loop, "
+                "evaluation pass or agreement, which also traces it, gets "
+                f"at least {watchdog.FIRST_LOOP_SECONDS:g} s): "
                 "another worker is stuck, far slower, or dead (raise it if "
                 "one loop of steps, an evaluation pass or a save "
                 "legitimately takes longer)")

@@ -10,9 +10,10 @@ attempt=A` once training (re)starts. Faults come from the environment:
   TFMULTI_FAULT=WORKER:STEP:SIGNAL   on attempt 0 (TFMULTI_LAUNCH_ATTEMPT),
       worker WORKER sends itself SIGNAL (KILL or TERM) after step STEP;
   TFMULTI_FAULT=WORKER:before_fit:KILL   it dies before training starts;
-  TFMULTI_FAULT=WORKER:STEP:STALL   it stops responding (sleeps 12 s, then
-      exits 3) while staying alive: only the watchdog
-      (--stall_timeout_seconds) or a collective timeout catches that.
+  TFMULTI_FAULT=WORKER:STEP:STALL   it stops responding (sleeps for the
+      bound given, --stall_timeout_seconds or --timeout_seconds, plus 7 s,
+      at least 12 s; then exits 3) while staying alive: only the watchdog
+      or a collective timeout catches that.
 
 A worker that sees a peer failure prints `PEER_FAILURE <unix time>` and the
 error; the one that kills itself first writes OUT_DIR/died-<worker> with the
@@ -113,7 +114,8 @@ class Fault(keras.callbacks.Callback):
                 with open(os.path.join(args.out_dir, f"died-{index}"),
                           "w") as f:
                     f.write(repr(time.time()))
-                time.sleep(12)
+                time.sleep(max(12, (args.stall_timeout_seconds or
+                                    args.timeout_seconds or 0) + 7))
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGTERM)
 

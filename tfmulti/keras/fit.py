@@ -485,9 +485,10 @@ def _make_test_function(model, force=False):
             custom_read = tf.function(
                 lambda: logs.read(model.get_metrics_result()))
         steps = int(model.steps_per_execution)
-        with watchdog.calling(strategy), data_checks.translated(
+        run_eval = runs[state.eval_masked]
+        with watchdog.calling(strategy, run_eval), data_checks.translated(
                 iterator.element_spec, arg=state.eval_arg):
-            done = runs[state.eval_masked](iterator, tf.constant(steps))
+            done = run_eval(iterator, tf.constant(steps))
         state.eval_batches += int(done)
         if int(done) < steps:
             # The end of the data: Keras's loop stops on this flag. A

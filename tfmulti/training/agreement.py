@@ -71,7 +71,7 @@ def check_agreement(strategy, fields: dict[str, int], *,
 
     # A peer that never arrives is a stall (`stall_timeout_seconds`), not a
     # hang.
-    with watchdog.calling(strategy):
+    with watchdog.calling(strategy, gather):
         table = strategy.experimental_local_results(gather())[0].numpy()
     problems = []
     for j, name in enumerate(names):

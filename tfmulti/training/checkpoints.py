@@ -455,7 +455,7 @@ def check_workers_agree(strategy, position: Position | None) -> None:
         return strategy.run(lambda: tf.distribute.get_replica_context(
         ).all_reduce(tf.distribute.ReduceOp.SUM, local))
 
-    with watchdog.calling(strategy):
+    with watchdog.calling(strategy, all_sums):
         sums = strategy.experimental_local_results(all_sums())[0].numpy()
     n, firsts, squares = sums[0], sums[1:4], sums[4:]
     if any(n * s != f * f for f, s in zip(firsts, squares)):

@@ -38,7 +38,7 @@ def sum_over_replicas(strategy, local):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
     # Eager: an agreement between loops (preemption, schedules) waits on the
     # peers like a loop does.
-    with watchdog.calling(strategy):
+    with watchdog.calling(strategy, "eager all-reduce"):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
 
 
@@ -92,7 +92,7 @@ def create_train_loop(step_fn, *, strategy, metrics=(), before=()):
         _check_num_steps(num_steps)
         # A loop waiting on a stuck peer fails after `stall_timeout_seconds`;
         # an op XLA cannot compile fails here, at the first run, naming it.
-        with watchdog.calling(strategy), xla_lib.named_compile_errors(
+        with watchdog.calling(strategy, loop), xla_lib.named_compile_errors(
                 getattr(step_fn, "model", None)):
             return loop(iterator, num_steps)
 

@@ -736,7 +736,7 @@ class Trainer:
         # in the process (minutes by the 5th, TF 2.21, 4 CPU replicas).
         # A label or shape that does not fit the model is named, as in fit.
         # Between local-SGD synchronisations: on the workers' mean weights.
-        with watchdog.calling(self.strategy), data_checks.translated(
+        with watchdog.calling(self.strategy, self._eval_fn), data_checks.translated(
                 getattr(eval_data, "element_spec", None), arg="eval_data"), \
                 self._reducer.evaluation_weights():
             self._eval_fn(iter(eval_data))
