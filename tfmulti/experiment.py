@@ -430,8 +430,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
 
     if config.mixed_precision:
         keras.mixed_precision.set_global_policy(config.mixed_precision)
-    info, train, test, steps_per_epoch, total_steps = input_data(
-        config, strategy, examples_per_update=examples_per_update)
+    info, train, test = input_data(config, strategy)
     image_key, label_key = info.supervised_keys
     num_classes = info.features[label_key].num_classes
     if parameter_server.is_parameter_server(strategy) and loop != "trainer":
@@ -594,9 +593,8 @@ def _length_notes(config: ExperimentConfig, compression, total_steps: int,
     return notes
 
 
-def input_data(config: ExperimentConfig, strategy, *,
-               examples_per_update: int):
-    """(TFDS info, train and test datasets, steps per epoch, total steps)."""
+def input_data(config: ExperimentConfig, strategy):
+    """(TFDS info, train and test datasets); `run_length` gives the steps."""
     import tensorflow as tf
     from tfmulti import data, parameter_server
     train_fn = data.tfds_dataset_fn(config.dataset, "train",
@@ -604,8 +602,6 @@ def input_data(config: ExperimentConfig, strategy, *,
     test_fn = data.tfds_dataset_fn(config.dataset, "test",
                                    data_dir=config.data_dir)
     info = train_fn.builder.info
-    steps_per_epoch, total_steps = run_length(
-        config, examples_per_update=examples_per_update, info=info)
     if parameter_server.is_parameter_server(strategy):
         # Asynchronous mode: every worker reads train_fn itself; the chief
         # evaluates on batches of its own.
@@ -613,23 +609,22 @@ def input_data(config: ExperimentConfig, strategy, *,
                                    data.PipelineOptions(
                                        global_batch_size=config.
                                        global_batch_size, training=False))
-        return info, train_fn, test, steps_per_epoch, total_steps
+        return info, train_fn, test
     train = data.distribute_dataset(
         strategy, train_fn, global_batch_size=config.global_batch_size,
         seed=config.seed)
     test = data.distribute_dataset(
         strategy, test_fn, global_batch_size=config.global_batch_size,
         training=False)
-    return info, train, test, steps_per_epoch, total_steps
+    return info, train, test
 
 
-def run_length(config: ExperimentConfig, *, examples_per_update: int,
-               info=None) -> tuple[int, int]:
+def run_length(config: ExperimentConfig, *,
+               examples_per_update: int) -> tuple[int, int]:
     """(steps per epoch, the global step training ends at)."""
-    if info is None:
-        from tfmulti import data
-        info = data.tfds_dataset_fn(config.dataset, "train",
-                                    data_dir=config.data_dir).builder.info
+    from tfmulti import data
+    info = data.tfds_dataset_fn(config.dataset, "train",
+                                data_dir=config.data_dir).builder.info
     steps_per_epoch = max(1, info.splits["train"].num_examples //
                           examples_per_update)
     return steps_per_epoch, config.steps or config.epochs * steps_per_epoch

@@ -28,7 +28,7 @@ machine and the model, not on `steps_per_loop`, and the workers finish
 tracing at different times. `stall_timeout_seconds` is the user's bound on
 steady state (a loop, a pass or a save must fit within it); a bound that also
 had to cover tracing would fail a healthy job on a slower or loaded machine
-(issue 35: the first loop after the start-up agreement had only 5 s).
+(the first loop after the start-of-fit agreement would get only that bound).
 """
 
 from __future__ import annotations
