@@ -119,13 +119,19 @@ def test_default_run_dir_and_used_dirs(tmp_path, shapes_data_dir):
             steps_per_loop=2, strategy="one_device", data_dir=shapes_data_dir),
             loop="fit")
 
-    # The run directory does not shadow the (editable-installed) package.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The run directory does not shadow the package: `python -c` puts the
+    # working directory first on sys.path, before PYTHONPATH (this checkout,
+    # set by conftest, so the check does not depend on which checkout pip
+    # installed last).
     done = subprocess.run(
         [sys.executable, "-c",
-         "import tfmulti; print(tfmulti.simulate_devices.__name__)"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "simulate_devices", done.stderr[-2000:]
+         "import tfmulti; print(tfmulti.simulate_devices.__name__, "
+         "tfmulti.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    name, _, where = done.stdout.strip().partition(" ")
+    assert name == "simulate_devices", done.stderr[-2000:]
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert pathlib.Path(where).resolve().is_relative_to(root), where
 
 
 

@@ -10,6 +10,7 @@ layouts. Every case builds its own model with a fixed seed.
 import json
 import os
 import sys
+import tempfile
 import traceback
 import warnings
 
@@ -443,6 +444,24 @@ def _guide_multi_gpu(layout):
 @case
 def keras_guide_multi_gpu():
     return {layout: caught(lambda: _guide_multi_gpu(layout))
+            for layout in ("one", "m4")}
+
+
+# -- TF tutorial "Custom training loop with Keras and MultiWorkerMirrored-
+# Strategy": tests/conformance/tutorial_ctl.py; the same code on two
+# workers is in cases_multi_worker.py. The global batch is the 2-worker one
+# (2 x 64) on every layout.
+
+def _ctl_tutorial(layout):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tutorial_ctl
+    with tempfile.TemporaryDirectory() as tmp:
+        return tutorial_ctl.run(strategy(layout), 2, tmp)
+
+
+@case
+def ctl_tutorial():
+    return {layout: caught(lambda: _ctl_tutorial(layout))
             for layout in ("one", "m4")}
 
 

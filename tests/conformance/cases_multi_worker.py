@@ -9,6 +9,10 @@ tensorflow/tensorflow#72388 ("Invalid reduction dimension 0" with Keras 3
 under MultiWorkerMirroredStrategy) and keras-team/keras#20585 (multi-worker
 fit fails in the first-batch build): a model with dict inputs trained by
 plain `fit` and through `tfmulti.keras.distributed`.
+
+TF tutorial "Custom training loop with Keras and MultiWorkerMirroredStrategy"
+(`tutorial_ctl.py`): both workers given the same checkpoint directory, as on
+a shared filesystem (the tutorial's restore reads the chief's directory).
 """
 
 import json
@@ -65,6 +69,13 @@ def main():
             results[how] = {"result": run(strategy, how)}
         except Exception as e:  # noqa: BLE001 - the text is the result
             results[how] = {"error": f"{type(e).__name__}: {e}"}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tutorial_ctl
+    try:
+        results["ctl_tutorial"] = {"result": tutorial_ctl.run(
+            strategy, 2, os.path.join(os.path.dirname(sys.argv[1]), "ctl"))}
+    except Exception as e:  # noqa: BLE001 - the text is the result
+        results["ctl_tutorial"] = {"error": f"{type(e).__name__}: {e}"}
     with open(out_path, "w") as f:
         json.dump(results, f)
 

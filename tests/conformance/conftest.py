@@ -42,8 +42,15 @@ def multi_worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("conformance_mw")
     run_workers([MULTI_WORKER, str(tmp / "worker{index}.json")], 2,
                 timeout=300)
-    return [json.loads((tmp / f"worker{i}.json").read_text())
-            for i in range(2)]
+    workers = [json.loads((tmp / f"worker{i}.json").read_text())
+               for i in range(2)]
+    # What the CTL tutorial left on the shared disk, once both have exited.
+    ctl = tmp / "ctl" / "fixed"
+    files = sorted(str(p.relative_to(ctl)) for p in ctl.rglob("*")
+                   if p.is_file()) if ctl.exists() else []
+    for worker in workers:
+        worker["ctl_files"] = files
+    return workers
 
 
 def ok(node):
