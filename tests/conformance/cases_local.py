@@ -465,6 +465,23 @@ def ctl_tutorial():
             for layout in ("one", "m4")}
 
 
+# -- TF tutorial "Distributed input": tests/conformance/tutorial_input.py
+# (its cells on one device, 2 replicas as the tutorial, and 3 for its
+# "3 replicas" example); the sharding policies on two workers are in
+# cases_multi_worker.py.
+
+@case
+def input_tutorial():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tutorial_input
+    out = {layout: caught(lambda: tutorial_input.cells(strategy(layout)))
+           for layout in ("one", "m2")}
+    # Its other cells use a global batch of 16, which 3 replicas cannot split.
+    out["m3"] = caught(lambda: {"range8_batch4": tutorial_input.rebatching(
+        strategy("m3"), tf.data.Dataset.range(8).batch(4))})
+    return out
+
+
 # -- TF tutorial "Save and load a model using a distribution strategy" -----
 # As written (Keras API: `.keras`, load without a strategy and under
 # another; tf.saved_model API: `tf.saved_model.save`, load, serve on one

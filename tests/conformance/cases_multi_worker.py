@@ -13,6 +13,8 @@ plain `fit` and through `tfmulti.keras.distributed`.
 TF tutorial "Custom training loop with Keras and MultiWorkerMirroredStrategy"
 (`tutorial_ctl.py`): both workers given the same checkpoint directory, as on
 a shared filesystem (the tutorial's restore reads the chief's directory).
+TF tutorial "Distributed input", its AutoShardPolicy examples
+(`tutorial_input.sharding_on_workers`).
 """
 
 import json
@@ -76,6 +78,12 @@ def main():
             strategy, 2, os.path.join(os.path.dirname(sys.argv[1]), "ctl"))}
     except Exception as e:  # noqa: BLE001 - the text is the result
         results["ctl_tutorial"] = {"error": f"{type(e).__name__}: {e}"}
+    import tutorial_input
+    try:
+        results["input_sharding"] = {"result": tutorial_input.sharding_on_workers(
+            strategy, os.path.join(os.path.dirname(sys.argv[1]), "input"))}
+    except Exception as e:  # noqa: BLE001 - the text is the result
+        results["input_sharding"] = {"error": f"{type(e).__name__}: {e}"}
     with open(out_path, "w") as f:
         json.dump(results, f)
 

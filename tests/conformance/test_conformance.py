@@ -363,6 +363,61 @@ def test_tf_ctl_tutorial_on_two_workers(local, multi_worker):
                              worker["ctl_files"])
 
 
+def _joined(steps):
+    """Each step's replicas' values, concatenated (what one device sees)."""
+    return [[v for replica in step for v in replica] for step in steps]
+
+
+def test_tf_distributed_input_tutorial(local):
+    """TF "Distributed input" (tutorial_input.py): every cell on 2 replicas
+    shows what the tutorial says, and carries one device's data."""
+    one = ok(local["input_tutorial"]["one"])
+    two = ok(local["input_tutorial"]["m2"])
+    three = ok(local["input_tutorial"]["m3"])
+    # "Batching", the tutorial's examples, word for word.
+    assert two["range6_batch4"] == [[[0, 1], [2, 3]], [[4], [5]]]
+    assert three["range8_batch4"] == [[[0, 1], [2, 3], []], [[4, 5], [6, 7], []]]
+    assert _joined(two["range6_batch4"]) == _joined(one["range6_batch4"])
+    assert two["first_batch"] == [8, 8] and one["first_batch"] == [16]
+    # The tutorial's dataset_fn batches twice (16, then the per-replica
+    # 8): 4 rows of 16 go to the first replica, an empty batch to the other.
+    assert two["from_function_shapes"] == [[[4, 16, 1], [0, 0, 1]]]
+    assert one["from_function_shapes"] == [[[4, 16, 1]]]
+    for cell in ("for_loop", "explicit_iterator"):
+        assert _joined(two[cell]) == _joined(one[cell]), cell
+        assert len(two[cell]) == len(one[cell]) == {"for_loop": 7}.get(cell, 50)
+    # The host loop with get_next_as_optional stops at the end of data.
+    assert two["get_next_as_optional"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]],
+                                           [[8], []]]
+    assert _joined(two["get_next_as_optional"]) == _joined(
+        one["get_next_as_optional"])
+    # input_signature from element_spec: one trace for 25 steps.
+    assert two["element_spec"]["traces"] == 1
+    assert _joined(two["element_spec"]["outputs"]) == _joined(
+        one["element_spec"]["outputs"])
+    # A StringLookup made under the scope, applied in the dataset function.
+    assert _joined(two["preprocessing"]) == _joined(one["preprocessing"]) == [
+        [1, 3, 0, 1], [3, 0, 1, 3], [0, 1, 3, 0]]
+    assert two["values_from_function"] == [0.0, 2.0]
+
+
+@pytest.mark.slow
+def test_tf_distributed_input_sharding_on_two_workers(multi_worker):
+    """The tutorial's AutoShardPolicy examples, on two real workers."""
+    expected = {
+        # The tutorial's prose has [0, 1], [2, 3], [4], [5] (4 steps) for
+        # worker 0; TF 2.21 rebatches each worker's [4, 5] whole, in 3 steps,
+        # with stock MultiWorkerMirroredStrategy too (measured, BUILD_NOTES).
+        "FILE": [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10, 11]]],
+        "DATA": [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 11]]],
+        "OFF": [[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]] * 2,
+    }
+    for index, worker in enumerate(multi_worker):
+        got = ok(worker["input_sharding"])
+        for policy, per_worker in expected.items():
+            assert got[policy] == per_worker[index], (policy, index, got)
+
+
 # -- guards of the conformance workarounds in tfmulti.compat ------------------
 # Each asserts the stock TensorFlow / Keras behaviour still fails, so it
 # fails once an upstream release fixes it (then delete the workaround and
