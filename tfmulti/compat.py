@@ -465,6 +465,121 @@ def mirrored_strategy_class():
             else tf.distribute.MirroredStrategy)
 
 
+# --- Keras draws the same random numbers on every replica -----------------
+# Symptom: under MirroredStrategy or MultiWorkerMirroredStrategy,
+# `keras.random.*(seed=SeedGenerator)`, `keras.layers.Dropout` and every
+# layer drawing from a `SeedGenerator` (or the global one) give the SAME
+# numbers on every replica: N replicas repeat each of a per-replica batch's
+# dropout masks N times where one device draws one per example, and the
+# keras-io GAN's replicas generate N copies of the same latents. Cause:
+# `keras/src/random/seed_generator.py` keeps its state in a variable with
+# aggregation "none" (keras-team/keras#20612, for #20611): one copy per
+# replica, all starting equal and advancing alike. TensorFlow's own
+# `tf.random.Generator` gives each replica its own stream; tfmulti's
+# strategies do the same for Keras: in a replica context of more than one
+# replica, the drawn seed is folded with the replica's global id
+# (`tf.random.experimental.stateless_fold_in`). An integer seed stays the
+# user's fixed seed. Checked: Keras 3.15.1. Guard:
+# tests/test_compat.py::test_stock_defect_is_still_present[keras_random_alike_on_every_replica].
+def _tfmulti_replica_context():
+    """The replica context of a tfmulti mirrored or multi-worker strategy
+    with more than one replica, or None."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync < 2 or not isinstance(
+            ctx.strategy, (KerasMirroredStrategy,
+                           KerasMultiWorkerMirroredStrategy)):
+        return None
+    return ctx
+
+
+def draw_seeds_per_replica() -> bool:
+    """Makes every Keras `SeedGenerator` draw per replica under tfmulti's
+    strategies, once per process.
+
+    Returns:
+      Whether it was installed now (False: already, or this Keras keeps its
+      seed generator elsewhere; then a warning says what it means).
+    """
+    try:
+        from keras.src.random import seed_generator
+        cls = seed_generator.SeedGenerator
+        stock = cls.next
+    except (ImportError, AttributeError):
+        _log.warning(
+            "tfmulti: this Keras (%s) moved its SeedGenerator; dropout and "
+            "keras.random may draw the same numbers on every replica.",
+            keras.__version__)
+        return False
+    if getattr(stock, "_tfmulti_per_replica", False):
+        return False
+
+    def next(self, ordered=True):  # noqa: A001 - Keras's method name
+        seed = stock(self, ordered=ordered)
+        ctx = _tfmulti_replica_context()
+        if ctx is None:
+            return seed
+        return tf.cast(tf.random.experimental.stateless_fold_in(
+            seed, ctx.replica_id_in_sync_group), seed.dtype)
+
+    next._tfmulti_per_replica = True
+    cls.next = next
+    return True
+
+
+# --- Keras cannot build a model without `call` under a strategy ------------
+# Symptom: `fit` of a model that only overrides `train_step` and calls its
+# sub-models there (the keras-io GAN) fails under any strategy before the
+# first step: "RuntimeError: Unable to automatically build the model ...",
+# and trains without one. Cause: `keras/src/backend/tensorflow/trainer.py`
+# `_maybe_symbolic_build` builds symbolically whenever a strategy is set, by
+# calling the model (`compute_output_spec(self, x)`), which a model without
+# `call` cannot do. tfmulti's strategies mark such a model built when every
+# layer under it is (nothing is left for the build to create); any other
+# model, and any model under another strategy, goes to Keras's build
+# unchanged. Checked: Keras 3.15.1. Guard:
+# tests/test_compat.py::test_stock_defect_is_still_present[model_without_call_not_built].
+def _built_without_call(model) -> bool:
+    """Whether `model` (without a `call` of its own) needs no build: all its
+    layers are built. Marks it built then."""
+    if model.built:
+        return True
+    layers = list(model._flatten_layers(include_self=False))
+    if not all(layer.built for layer in layers):
+        return False
+    model.built = True
+    return True
+
+
+def build_models_without_call() -> bool:
+    """Wraps Keras's `_maybe_symbolic_build` (TensorFlow trainer) once: a
+    model without `call` whose layers are built skips it under tfmulti's
+    strategies.
+
+    Returns:
+      Whether it was wrapped now.
+    """
+    try:
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+        cls = tf_trainer.TensorFlowTrainer
+        stock = getattr(cls, _KERAS_BUILD_CALLER)
+    except (ImportError, AttributeError):
+        return False
+    if getattr(stock, "_tfmulti_call_less", False):
+        return False
+
+    def build(self, *args, **kwargs):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if (getattr(strategy, "_tfmulti_communication_options", None)
+                is not None and type(self).call is keras.Model.call
+                and _built_without_call(self)):
+            return None
+        return stock(self, *args, **kwargs)
+
+    build._tfmulti_call_less = True
+    setattr(cls, _KERAS_BUILD_CALLER, build)
+    return True
+
+
 # --- Checkpoint readers glob the prefix ------------------------------------
 # Symptom: `tf.train.Checkpoint.restore` and `tf.train.load_checkpoint` of a
 # prefix whose path contains `[` `]` (or `*`, `?`) fail: "Unsuccessful

@@ -209,6 +209,7 @@ def create_strategy(name: str = "auto", *, devices=None, num_gpus=None,
         else:
             strategy = _mirrored(devices, _mirrored_ops(all_reduce))
     strategy._tfmulti_communication_options = options
+    _keras_fixes()
     watchdog.attach(strategy, stall_timeout_seconds)
     _log.info("tfmulti: %s with %d replica(s) in sync",
               type(strategy).__name__, strategy.num_replicas_in_sync)
@@ -383,8 +384,17 @@ def multi_worker_on_cpus(local_cpus: int, *,
     strategy._tfmulti_communication_options = options
     initial_values.name_mismatches(strategy)
     _keras_writes_from_chief()
+    _keras_fixes()
     watchdog.attach(strategy, stall_timeout_seconds)
     return strategy
+
+
+def _keras_fixes():
+    """What every tfmulti strategy fixes in Keras, installed once per
+    process (compat.py says why): one random stream per replica, and models
+    without `call` (the keras-io GAN) trained by `fit`."""
+    compat.draw_seeds_per_replica()
+    compat.build_models_without_call()
 
 
 def _keras_writes_from_chief():

@@ -725,6 +725,19 @@ def keras_guide_custom_fit():
     return out
 
 
+# The guide's GAN (tests/conformance/guide_gan.py): without a strategy (the
+# guide's run), under tfmulti's one_device and 4 mirrored replicas.
+@case
+def keras_guide_gan():
+    import contextlib
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import guide_gan
+    out = {"none": caught(lambda: guide_gan.run(contextlib.nullcontext()))}
+    out.update({layout: caught(lambda: guide_gan.run(strategy(layout).scope()))
+                for layout in ("one", "m4")})
+    return out
+
+
 # -- plain Keras evaluate on an exact-once distributed dataset --------------
 
 def _eval_exact_once(layout, how):

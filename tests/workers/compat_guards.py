@@ -126,4 +126,47 @@ def _():
     return spread > 1e-4, f"replica copies {spread:.3g} apart"
 
 
+@guard("keras_random_alike_on_every_replica")
+def _():
+    # compat.draw_seeds_per_replica
+    with MIRRORED.scope():
+        gen = keras.random.SeedGenerator(1337)
+        drop = keras.layers.Dropout(0.5)
+
+    @tf.function
+    def draw():
+        return MIRRORED.run(lambda: (keras.random.normal((8,), seed=gen),
+                                     drop(tf.ones((1, 16)), training=True)))
+
+    normals, masks = draw()
+    a, b = [v.numpy() for v in MIRRORED.experimental_local_results(normals)]
+    m, n = [v.numpy() for v in MIRRORED.experimental_local_results(masks)]
+    return bool(np.array_equal(a, b) and np.array_equal(m, n)), (
+        f"replica 0 draws {a[:3]}, replica 1 {b[:3]}")
+
+
+@guard("model_without_call_not_built")
+def _():
+    # compat.build_models_without_call: the keras-io GAN's shape, a model
+    # that only calls built sub-models in its train_step.
+    class Pair(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.inner = keras.Sequential([keras.Input((2,)),
+                                           keras.layers.Dense(1)])
+
+        def train_step(self, data):
+            return {"out": tf.reduce_sum(self.inner(data))}
+
+    with MIRRORED.scope():
+        model = Pair()
+        model.compile()
+    try:
+        model.fit(np.ones((4, 2), "float32"), batch_size=4, epochs=1,
+                  verbose=0)
+    except RuntimeError as e:
+        return "Unable to automatically build the model" in str(e), e
+    return False, "stock fit builds a model without call under a strategy"
+
+
 print(json.dumps(results), flush=True)
