@@ -9,7 +9,7 @@ would: no cleanup, no Python exit handlers. TFMULTI_TEST_DEVICES=N splits
 the CPU into N logical devices first (for STRATEGY=mirrored).
 TFMULTI_TEST_SIGKILL="WORKER:SECONDS": on the first attempt of a
 tfmulti-launch group, worker WORKER gets SIGKILL from a timer thread SECONDS
-after its first batch ended, wherever its main thread is (inside a step, an
+after its first backup (the end of batch BACKUP_FREQ), wherever its main thread is (inside a step, an
 all-reduce or a backup write). TFMULTI_TEST_BATCH_SECONDS=S sleeps S after
 each batch, so that a fit lasts long enough to be killed at a random time.
 """
@@ -46,16 +46,20 @@ y = rng.integers(0, 3, size=(256,)).astype("int32")
 
 
 class SigkillAfter(keras.callbacks.Callback):
-    """SIGKILLs this process SECONDS after its first batch (a timer)."""
+    """SIGKILLs this process SECONDS after its first backup (a timer)."""
 
     def __init__(self, seconds):
         super().__init__()
         self.seconds = seconds
+        self.batches = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # From the first batch's end: tracing and the first step take
-        # seconds on a loaded machine, and a kill there tests nothing.
-        if self.seconds is not None:
+        # From the end of the batch whose backup the callbacks before this
+        # one just wrote: the claim is a resume from a backup, and on a
+        # loaded machine the first batches alone can take longer than any
+        # fixed delay (tracing, the first steps).
+        self.batches += 1
+        if self.seconds is not None and self.batches >= BACKUP_FREQ:
             print(f"FAULT SIGKILL in {self.seconds:.2f} s", flush=True)
             threading.Timer(self.seconds, os.kill,
                             (os.getpid(), signal.SIGKILL)).start()

@@ -64,8 +64,10 @@ def _dataset_fn(context):
 
 def run(*, entry: str = "trainer", seconds: float = 300.0,
         interval: float = 10.0, steps_per_loop: int = 2,
-        global_batch_size: int = 8, model_dir: str | None = None) -> dict:
-    """Trains one worker for `seconds`; returns its samples and growth.
+        global_batch_size: int = 8, model_dir: str | None = None,
+        min_steps: int = 0) -> dict:
+    """Trains one worker for `seconds` and at least `min_steps` steps;
+    returns its samples and growth.
 
     Args:
       entry: "trainer" (`tfmulti.Trainer.fit`) or "fit" (`model.fit` of a
@@ -76,6 +78,8 @@ def run(*, entry: str = "trainer", seconds: float = 300.0,
         `steps_per_execution` (fit): short loops mean many calls.
       global_batch_size: examples per step over all workers.
       model_dir: the Trainer's checkpoints (default: none).
+      min_steps: train on past `seconds` until this many steps: a loaded
+        machine still makes the calls whose threads and files are counted.
     """
     import keras
     import tensorflow as tf
@@ -104,7 +108,8 @@ def run(*, entry: str = "trainer", seconds: float = 300.0,
 
     class StopAfter(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            late = float(time.monotonic() - began >= seconds)
+            late = float(time.monotonic() - began >= seconds and int(
+                optimizer.iterations.numpy()) >= min_steps)
             if any_late(tf.constant(late)) > 0:
                 self.model.stop_training = True
 
