@@ -209,6 +209,18 @@ def _check_pipeline(config: ExperimentConfig) -> None:
         raise ConfigError(str(e), flag=flag) from None
 
 
+def _check_pipeline_process(config: ExperimentConfig) -> None:
+    """A pipeline in a multi-worker cluster, refused before anything runs."""
+    from tfmulti import cluster as cluster_lib
+    from tfmulti.pipeline import unsupported
+    try:
+        unsupported.check_one_process(
+            f"`pipeline_stages`={config.pipeline_stages}",
+            cluster_lib.cluster_config(), stages=config.pipeline_stages)
+    except unsupported.UnsupportedOption as e:
+        raise ConfigError(str(e), flag=e.name) from None
+
+
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
     """Writes `payload` to `path` so a reader never sees half a file."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -351,6 +363,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             "batches, which a pipelined model does not take). Run `python "
             "-m recipes.custom_loop` with the same flags.",
             flag="pipeline_stages")
+    if config.pipeline_stages > 1:
+        _check_pipeline_process(config)
     run = _open_run_dir(config, loop)
     model_dir = run.path
     _check_dataset(config.dataset)
