@@ -3,15 +3,16 @@
 Each row is `tfmulti-launch --workers 2 [--ps 1] -- python -m
 recipes.custom_loop --seed=K` plus the row's flags, every other flag at its
 default (the run length too, unless `steps` is given), run once per seed;
-the pipeline row is one process, as a pipeline runs. The figures come from each run's
-metrics.json: test accuracy (the chief's final evaluation) and the bytes
-this worker sent to the other (`communication.inter_worker_bytes`). A row
+the pipeline row is one process, as a pipeline runs. The figures come from
+each run's metrics.json: test accuracy (the chief's final evaluation) and
+the bytes this worker sent to the other
+(`communication.inter_worker_bytes`). A row
 is compared with the synchronous row of the same seed (same initial weights
 and, for the synchronous loops, the same examples): the mean of the paired
 differences with its 95% confidence interval (Student's t over the seeds).
 A goal is met only when the interval's far end is within it, MISSED when
 the whole interval is beyond it, otherwise not shown. Full bench only:
-`python -m tfmulti.bench --only recipes [--seeds 0 1 2]`.
+`python -m tfmulti.bench --only recipes [--seeds 0 1 2 3 4]`.
 """
 
 from __future__ import annotations
