@@ -145,13 +145,20 @@ def test_recipe_rows_are_the_recipe_command_lines_judged_by_interval():
     for row in rc.ROWS:
         cmd = rc.command(row, seed=3, steps=300, model_dir="/m",
                          data_dir="/d")
-        assert cmd[:3] == ["tfmulti-launch", "--workers", "2"]
+        # A pipeline runs in one process (it refuses a cluster).
+        assert (cmd[:3] == ["tfmulti-launch", "--workers", "2"]) == (
+            row != "pipeline")
         recipe = cmd[cmd.index("recipes.custom_loop") + 1:]
         config = _parse(*recipe)
         assert (config.steps, config.seed, config.model_dir,
                 config.data_dir) == (300, 3, "/m", "/d")
         # Every other flag at its default.
         assert len(recipe) == len(rc.ROWS[row][0]) + 4
+        # Without `steps`, the recipe's own run length (--epochs).
+        default = rc.command(row, seed=3, steps=None, model_dir="/m",
+                             data_dir=None)
+        assert _parse(*default[default.index(
+            "recipes.custom_loop") + 1:]).steps is None
     assert "--ps" in rc.command("parameter_server", seed=0, steps=1,
                                 model_dir="/m", data_dir=None)
     # mean 2, sd 1, n 3: half-width t(2) * 1 / sqrt(3).

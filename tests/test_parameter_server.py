@@ -93,10 +93,17 @@ def test_async_warmup_is_the_default_and_only_for_parameter_servers():
     assert async_trainer.DEFAULT_WARMUP_STEPS == 100
     config = _parse("--strategy=parameter_server")
     assert config.async_warmup_steps is None
-    assert experiment._length_notes(config, None, 300, True) == [
+    warmup, length = experiment._length_notes(config, None, 300, True)
+    assert warmup == (
         "asynchronous: the learning rate warms up over the first 100 of 300 "
         "updates (--async_warmup_steps=100); stale gradients without it can "
-        "keep the model at chance for hundreds of updates."]
+        "keep the model at chance for hundreds of updates.")
+    # Shorter than the run measured within 2 points of synchronous: says
+    # so, naming the flags.
+    assert length.startswith("asynchronous: 300 updates may be too few") \
+        and length.endswith("pass --epochs=9 (or --steps=1404) or more.")
+    assert experiment._length_notes(config, None, 1404, True) == [
+        warmup.replace("of 300", "of 1404")]
     assert "first 0 of" in experiment._length_notes(
         _parse("--strategy=parameter_server", "--async_warmup_steps=0"),
         None, 300, True)[0]

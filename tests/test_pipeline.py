@@ -326,6 +326,31 @@ def test_keras_fit_recipe_refuses_pipeline_stages_and_names_custom_loop():
         experiment.train_and_evaluate(config, loop="fit")
 
 
+def test_recipe_refuses_a_pipeline_in_a_cluster_before_anything_runs(
+        tmp_path, monkeypatch):
+    """Under tfmulti-launch --workers 2 (TF_CONFIG) a pipeline would train
+    one model per worker: refused with the fix, and no run directory."""
+    import json
+    from tfmulti import experiment
+    config = experiment.ExperimentConfig(
+        pipeline_stages=2, micro_batches=4,
+        model_dir=str(tmp_path / "run"))
+    for cluster, shape in (
+            ({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker: 2"),
+            ({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+              "ps": ["127.0.0.1:3"]}, "chief: 1, ps: 1, worker: 1")):
+        monkeypatch.setenv("TF_CONFIG", json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": 0}}))
+        with pytest.raises(experiment.ConfigError) as e:
+            experiment.train_and_evaluate(config, loop="trainer")
+        assert e.value.flag == "pipeline_stages"
+        assert ("`pipeline_stages`=2 runs in one process" in str(e.value)
+                and f"({shape};" in str(e.value) and "without "
+                "tfmulti-launch" in str(e.value) and "--cpu_replicas=2 "
+                "--pipeline_stages=2" in str(e.value))
+        assert not (tmp_path / "run").exists()
+
+
 def _trained_pipe(optimizer):
     pipe = pipeline.PipelinedModel(
         _chain(), optimizer=optimizer,

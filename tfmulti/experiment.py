@@ -209,6 +209,18 @@ def _check_pipeline(config: ExperimentConfig) -> None:
         raise ConfigError(str(e), flag=flag) from None
 
 
+def _check_pipeline_process(config: ExperimentConfig) -> None:
+    """A pipeline in a multi-worker cluster, refused before anything runs."""
+    from tfmulti import cluster as cluster_lib
+    from tfmulti.pipeline import unsupported
+    try:
+        unsupported.check_one_process(
+            f"`pipeline_stages`={config.pipeline_stages}",
+            cluster_lib.cluster_config(), stages=config.pipeline_stages)
+    except unsupported.UnsupportedOption as e:
+        raise ConfigError(str(e), flag=e.name) from None
+
+
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
     """Writes `payload` to `path` so a reader never sees half a file."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -351,6 +363,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             "batches, which a pipelined model does not take). Run `python "
             "-m recipes.custom_loop` with the same flags.",
             flag="pipeline_stages")
+    if config.pipeline_stages > 1:
+        _check_pipeline_process(config)
     run = _open_run_dir(config, loop)
     model_dir = run.path
     _check_dataset(config.dataset)
@@ -563,6 +577,12 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     return metrics
 
 
+# Updates of 128 after which two asynchronous workers ended within 2 points
+# of synchronous training in the recipe bench (`--steps=1404`, 2 seeds);
+# at the default 3 epochs (468) they did not (BUILD_NOTES, issue 27).
+ASYNC_MEASURED_STEPS = 1404
+
+
 def _length_notes(config: ExperimentConfig, compression, total_steps: int,
                   asynchronous: bool) -> list[str]:
     """One line per default whose best value depends on the run's length."""
@@ -590,6 +610,14 @@ def _length_notes(config: ExperimentConfig, compression, total_steps: int,
             f"{warmup} of {total_steps} updates (--async_warmup_steps="
             f"{warmup}); stale gradients without it can keep the model at "
             "chance for hundreds of updates.")
+        if total_steps < ASYNC_MEASURED_STEPS:
+            notes.append(
+                f"asynchronous: {total_steps} updates may be too few for "
+                "stale workers; with the example CNN two workers ended "
+                "2.9-9.3 points below synchronous at 468 updates of 128 (3 "
+                "epochs) and 0.4-0.9 below at "
+                f"{ASYNC_MEASURED_STEPS}: pass --epochs=9 (or --steps="
+                f"{ASYNC_MEASURED_STEPS}) or more.")
     return notes
 
 

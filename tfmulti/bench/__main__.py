@@ -46,9 +46,10 @@ MODES = {
         # replicas per seed (about 20 minutes per seed on 2 cores; --seeds
         # adds seeds).
         "communication_reduction": {"steps": 1248, "global_batch_size": 64},
-        # The recipe's command lines at their defaults, 2 workers: 2-5
+        # The recipe's command lines at their defaults, run length too
+        # (steps None: --epochs=3, 468 updates of 128), 2 workers: 3-8
         # minutes per row and seed on 2 shared cores.
-        "recipes": {"steps": 300, "seeds": (0, 1, 2),
+        "recipes": {"steps": None, "seeds": (0, 1, 2, 3, 4),
                     "rows": ("sync", "parameter_server", "powersgd_r4",
                              "local_sgd_h8", "pipeline")},
     },

@@ -1,16 +1,18 @@
 """The recipe's command lines as users type them, against synchronous.
 
 Each row is `tfmulti-launch --workers 2 [--ps 1] -- python -m
-recipes.custom_loop --steps=S --seed=K` plus the row's flags, every other
-flag at its default, run once per seed. The figures come from each run's
-metrics.json: test accuracy (the chief's final evaluation) and the bytes
-this worker sent to the other (`communication.inter_worker_bytes`). A row
+recipes.custom_loop --seed=K` plus the row's flags, every other flag at its
+default (the run length too, unless `steps` is given), run once per seed;
+the pipeline row is one process, as a pipeline runs. The figures come from
+each run's metrics.json: test accuracy (the chief's final evaluation) and
+the bytes this worker sent to the other
+(`communication.inter_worker_bytes`). A row
 is compared with the synchronous row of the same seed (same initial weights
 and, for the synchronous loops, the same examples): the mean of the paired
 differences with its 95% confidence interval (Student's t over the seeds).
 A goal is met only when the interval's far end is within it, MISSED when
 the whole interval is beyond it, otherwise not shown. Full bench only:
-`python -m tfmulti.bench --only recipes [--seeds 0 1 2]`.
+`python -m tfmulti.bench --only recipes [--seeds 0 1 2 3 4]`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import subprocess
 import sys
 import time
 
-# name: (recipe flags, tfmulti-launch flags, goal in points below sync).
+# name: (recipe flags, tfmulti-launch flags or None for one process, goal
+# in points below sync). A pipeline runs in one process (it refuses a
+# cluster): its two stages on two logical CPUs, not two workers.
 ROWS = {
     "sync": ((), (), None),
     "local_sgd_h8": (("--sync_every=8",), (), 1.0),
@@ -30,7 +34,8 @@ ROWS = {
                     1.0),
     "parameter_server": (("--strategy=parameter_server",), ("--ps", "1"),
                          2.0),
-    "pipeline": (("--pipeline_stages=2", "--micro_batches=4"), (), None),
+    "pipeline": (("--cpu_replicas=2", "--pipeline_stages=2",
+                  "--micro_batches=4"), None, None),
 }
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-30).
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262,
@@ -39,16 +44,20 @@ _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262,
         2.042)
 
 
-def command(row: str, *, seed: int, steps: int, model_dir: str,
+def command(row: str, *, seed: int, steps: int | None, model_dir: str,
             data_dir: str | None, workers: int = 2,
             timeout: float = 1800) -> list[str]:
     """The command line of `row` for one seed, as a user types it (plus
-    where the run goes and, when given, the data)."""
+    where the run goes and, when given, the data); `steps` None leaves the
+    run length at the recipe's default (--epochs)."""
     recipe_flags, launch_flags, _ = ROWS[row]
-    return ["tfmulti-launch", "--workers", str(workers), *launch_flags,
-            "--timeout", str(int(timeout)), "--",
-            sys.executable, "-m", "recipes.custom_loop", *recipe_flags,
-            f"--steps={steps}", f"--seed={seed}", f"--model_dir={model_dir}",
+    launch = [] if launch_flags is None else [
+        "tfmulti-launch", "--workers", str(workers), *launch_flags,
+        "--timeout", str(int(timeout)), "--"]
+    return [*launch, sys.executable, "-m", "recipes.custom_loop",
+            *recipe_flags,
+            *([f"--steps={steps}"] if steps else []), f"--seed={seed}",
+            f"--model_dir={model_dir}",
             *([f"--data_dir={data_dir}"] if data_dir else [])]
 
 
@@ -86,7 +95,8 @@ def summarize(runs: dict) -> dict:
     for row, by_seed in runs.items():
         ok = {s: r for s, r in by_seed.items() if "error" not in r}
         entry = {"command_flags": list(ROWS[row][0]),
-                 "launch_flags": list(ROWS[row][1]),
+                 "launch_flags": (["(one process)"] if ROWS[row][1] is None
+                                  else list(ROWS[row][1])),
                  "seeds": sorted(ok, key=int),
                  "errors": {s: r["error"] for s, r in by_seed.items()
                             if "error" in r},
@@ -133,9 +143,11 @@ def goals(rows: dict) -> list[dict]:
 def markdown(result: dict) -> list[str]:
     """The table of results.md."""
     s = result["settings"]
+    length = f" --steps={s['steps']}" if s.get("steps") else ""
     lines = [f"`tfmulti-launch --workers {s['workers']} -- python -m "
-             f"recipes.custom_loop --steps={s['steps']} --seed=K` plus each "
-             "row's flags, every other flag at its default; gap = sync "
+             f"recipes.custom_loop{length} --seed=K` plus each row's flags, "
+             "every other flag at its default"
+             f"{'' if length else ' (the run length too)'}; gap = sync "
              "minus the row, paired by seed, 95% t interval.", "",
              "| row | flags | seeds | test accuracy, mean | below sync, "
              "mean [95% CI] (points) | fewer bytes between workers | wall "
@@ -172,7 +184,7 @@ def _one(row, seed, *, steps, out, data_dir, timeout):
         [root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     with open(log, "w") as f:
         # tfmulti-launch stops its workers at --timeout; this bound is for
-        # the launcher itself.
+        # the launcher itself (and for a one-process row).
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout + 120, env=env, cwd=out)
     seconds = time.monotonic() - began
@@ -188,8 +200,8 @@ def _one(row, seed, *, steps, out, data_dir, timeout):
                 "inter_worker_bytes")}
 
 
-def run(*, out: str, steps: int = 300, seeds=(0, 1, 2), rows=tuple(ROWS),
-        data_dir: str | None = None, timeout: float = 1800,
+def run(*, out: str, steps: int | None = None, seeds=(0, 1, 2),
+        rows=tuple(ROWS), data_dir: str | None = None, timeout: float = 1800,
         log=print) -> dict:
     """Runs every row for every seed (one after another), returns the
     summary; keeps each run's directory and log under `out`."""

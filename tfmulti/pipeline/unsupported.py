@@ -65,3 +65,33 @@ def check(where: str, **options) -> None:
             raise UnsupportedOption(
                 f"`{name}`={value!r} is not supported {where} ({why}). "
                 f"Leave `{name}` at {default!r}.", name=name)
+
+
+def check_one_process(where: str, cluster, *, stages: int) -> None:
+    """Refuses a pipeline in a multi-process cluster, before anything runs.
+
+    A pipeline places its stages on the devices of the process it runs in;
+    it does not span workers, so under `tfmulti-launch --workers N` (or any
+    TF_CONFIG with more than one task) each worker would train alone.
+
+    Args:
+      where: how the message names the pipeline, e.g. "`pipeline_stages`=2".
+      cluster: a `tfmulti.cluster.ClusterConfig` (this process's cluster).
+      stages: the number of stages, for the fix's example command.
+
+    Raises:
+      UnsupportedOption (name "pipeline_stages"): names the cluster and the
+        fix (one process, with as many devices as stages).
+    """
+    tasks = {t: len(a) for t, a in cluster.cluster.items()}
+    if sum(tasks.values()) <= 1:
+        return
+    shape = ", ".join(f"{t}: {n}" for t, n in sorted(tasks.items()))
+    raise UnsupportedOption(
+        f"{where} runs in one process (its stages on this process's "
+        f"devices), but this process is one task of a cluster ({shape}; "
+        "TF_CONFIG, as tfmulti-launch, SLURM or Kubernetes set it). Run it "
+        "as one process, without tfmulti-launch: on a CPU `python -m "
+        f"recipes.custom_loop --cpu_replicas={stages} --pipeline_stages="
+        f"{stages} ...`, on GPUs with {stages} GPUs of one machine.",
+        name="pipeline_stages")
