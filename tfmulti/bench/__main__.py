@@ -408,6 +408,9 @@ def main(argv=None):
                         "recipes parts (one training per configuration and "
                         "seed; default: 0 only, and 0 1 2 for recipes)")
     args = parser.parse_args(argv)
+    # SIGTERM (e.g. `timeout`) unwinds like an exception, so every part's
+    # `finally` kills its process group instead of orphaning it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     # Before any part imports TensorFlow here: its start-up lines off.
     quiet_logging.quiet([])
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
