@@ -111,6 +111,27 @@ def test_paired_ratio_interval_and_the_verdict_on_a_goal():
                  "(4 MiB packs; opt-in, lossy)"]["status"] == "not shown"
 
 
+def test_a_failed_layout_keeps_the_others_and_is_listed(monkeypatch):
+    """One step-overhead layout timing out (a loaded machine) loses only
+    itself; the calibration comes from the first layout."""
+    def part(name, kwargs, timeout):
+        if (kwargs["model"], kwargs["replicas"]) == ("cnn", 1):
+            raise TimeoutError(f"{name} ran past {timeout} s")
+        return [{"model": kwargs["model"], "replicas": kwargs["replicas"],
+                 "bare_loop_32": 10.0 * kwargs["replicas"], "timing_s": 1.0,
+                 "load_average": {"before": (1.0, 1.0, 1.0)}}]
+
+    monkeypatch.setattr(bench_main, "_run_part", part)
+    mode = dict(bench_main.MODES["quick"], deadline=1e18)
+    results = bench_main._step_overhead(mode, 10)
+    assert {m: sorted(by_n) for m, by_n in results.items()} == {
+        "mlp": ["1", "4"], "cnn": ["4"]}
+    assert list(mode["layout_errors"]) == ["step_overhead cnn N=1"]
+    assert mode["calibration"]["steps_per_s"] == 10.0
+    # Set-up time is recorded per layout (wall minus timed rounds).
+    assert "setup_s" in results["mlp"]["4"]
+
+
 @pytest.mark.slow
 def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
                                                          shapes_data_dir):

@@ -171,7 +171,15 @@ def _step_overhead(mode, timeout):
                 kwargs["budget_seconds"] = max(
                     left / layouts_left - setup["seconds"], 5.0)
             began = time.monotonic()
-            figures = _run_part("step_overhead", kwargs, timeout=timeout)[0]
+            try:
+                figures = _run_part("step_overhead", kwargs,
+                                    timeout=timeout)[0]
+            except Exception:  # one layout must not lose the others
+                mode.setdefault("layout_errors", {})[
+                    f"step_overhead {model} N={n}"] = traceback.format_exc()
+                print(f"tfmulti.bench: step_overhead {model} N={n} FAILED:\n"
+                      f"{traceback.format_exc()[-1000:]}", flush=True)
+                return None
             setup["seconds"] = time.monotonic() - began - figures.get(
                 "timing_s", 0.0)
             figures["setup_s"] = setup["seconds"]
@@ -189,8 +197,9 @@ def _step_overhead(mode, timeout):
     results = {"mlp": {}, "cnn": {}}
     for (model, n), figures in _in_turn(
             calls, mode.get("concurrent", False)).items():
-        results[model][n] = figures
-    return results
+        if figures is not None:
+            results[model][n] = figures
+    return {model: by_n for model, by_n in results.items() if by_n}
 
 
 def _communication(mode, timeout):
@@ -373,6 +382,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
               for name in PART_NAMES if name in only},
              settings.get("concurrent", False))
     results["seconds"] = time.monotonic() - began
+    results["errors"].update(settings.get("layout_errors", {}))
     mlp = results["step_overhead"].get("mlp") or {}
     results["calibration"] = settings.get("calibration") or (
         report.calibration(mlp[min(mlp, key=int)]) if mlp else None)
