@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.subproc import run_python
-from tfmulti.bench import communication, report
+from tfmulti.bench import communication, report, stats
 from tfmulti.bench import __main__ as bench_main
 
 
@@ -43,7 +43,7 @@ def test_goals_say_met_or_missed_with_the_ratio():
                "trainer_32_vs_keras_fit": 6.0,
                "trainer_32_xla_vs_bare_loop_32": 1.4,
                "tfmulti_fit_32_vs_keras_fit": 2.0,
-               "tfmulti_fit_32_steady_vs_trainer_32": 1.0}
+               "tfmulti_fit_32_steady_vs_trainer_32_steady": 1.0}
     results = {"step_overhead": {"mlp": {"4": figures},
                                  "cnn": {"1": dict(figures, replicas=1),
                                          "4": figures}},
@@ -57,10 +57,79 @@ def test_goals_say_met_or_missed_with_the_ratio():
         1.4, "met")
     assert goals["mlp: tfmulti fit / Keras fit, whole 256-step call at "
                  "N=4"] == (2.0, "MISSED")
-    assert goals["mlp: tfmulti fit steady / Trainer at N=4"] == (1.0, "met")
+    assert goals["mlp: tfmulti fit / Trainer, steady, at N=4"] == (
+        1.0, "met")
     wall = [g for g in report.goals(results) if "--quick" in g["name"]]
     assert [(g["value"], g["status"]) for g in wall] == [(200.0, "MISSED")]
     assert "3.0/2.0/1.0" in wall[0]["name"]
+
+
+def test_paired_ratio_interval_and_the_verdict_on_a_goal():
+    """The geometric mean of per-round ratios with Student's t interval on
+    the logs; a goal is met or MISSED only by the whole interval."""
+    # Ratios 2, 2*e^0.1, 2*e^-0.1: log mean ln 2, sd 0.1, 3 rounds.
+    low_b = [1.0, 1.0, 1.0]
+    high_a = [2.0, 2.0 * math.exp(0.1), 2.0 * math.exp(-0.1)]
+    interval = stats.paired_ratio(high_a, low_b)
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert interval["ratio"] == pytest.approx(2.0)
+    assert interval["low"] == pytest.approx(2.0 * math.exp(-half))
+    assert interval["high"] == pytest.approx(2.0 * math.exp(half))
+    assert interval["rounds"] == 3
+    assert stats.verdict(interval, 1.5) == "met"
+    assert stats.verdict(interval, 2.0) == "not shown"
+    assert stats.verdict(interval, 3.0) == "MISSED"
+    # One round: no interval, never judged.
+    one = stats.paired_ratio([2.0], [1.0])
+    assert one["low"] is None and stats.verdict(one, 1.0) == "not shown"
+    assert stats.relative_width(one) == math.inf
+    assert stats.relative_width(interval) == pytest.approx(
+        math.exp(2 * half) - 1)
+    with pytest.raises(ValueError, match="equally long"):
+        stats.paired_ratio([1.0], [1.0, 2.0])
+    # The report judges a step-overhead ratio by its interval, and the
+    # communication defaults by time, not by the count of collectives.
+    figures = {"replicas": 2, "steps": 64, "intervals": {
+        "trainer_32_vs_bare_loop_32": dict(interval, ratio=0.97, low=0.93,
+                                           high=1.01)}}
+    comm = {"configs": {
+        name: {"rounds": rounds, "payload_bytes": size, "wire_dtypes": [d]}
+        for name, rounds, size, d in (
+            ("one_pack_float32", [0.30, 0.33, 0.36], 8, "float32"),
+            ("pack_4MiB_float32", [0.20, 0.21, 0.22], 8, "float32"),
+            ("one_pack_bfloat16", [0.10, 0.11, 0.12], 4, "bfloat16"),
+            ("pack_4MiB_bfloat16", [0.21, 0.20, 0.23], 4, "bfloat16"))}}
+    found = {g["name"]: g for g in report.goals(
+        {"step_overhead": {"mlp": {"2": figures}}, "communication": comm})}
+    trainer = found["mlp: Trainer/bare loop at N=2"]
+    assert (trainer["status"], trainer["interval"]) == (
+        "not shown", [0.93, 1.01])
+    assert "[0.93, 1.01] (3 rounds)" in report.format_goal_value(trainer)
+    packs = found["all-reduce speed-up: default 4 MiB packs over one pack"]
+    assert packs["status"] == "met" and packs["value"] > 1.5
+    assert found["all-reduce speed-up: bfloat16 over float32 on the wire "
+                 "(4 MiB packs; opt-in, lossy)"]["status"] == "not shown"
+
+
+def test_a_failed_layout_keeps_the_others_and_is_listed(monkeypatch):
+    """One step-overhead layout timing out (a loaded machine) loses only
+    itself; the calibration comes from the first layout."""
+    def part(name, kwargs, timeout):
+        if (kwargs["model"], kwargs["replicas"]) == ("cnn", 1):
+            raise TimeoutError(f"{name} ran past {timeout} s")
+        return [{"model": kwargs["model"], "replicas": kwargs["replicas"],
+                 "bare_loop_32": 10.0 * kwargs["replicas"], "timing_s": 1.0,
+                 "load_average": {"before": (1.0, 1.0, 1.0)}}]
+
+    monkeypatch.setattr(bench_main, "_run_part", part)
+    mode = dict(bench_main.MODES["quick"], deadline=1e18)
+    results = bench_main._step_overhead(mode, 10)
+    assert {m: sorted(by_n) for m, by_n in results.items()} == {
+        "mlp": ["1", "4"], "cnn": ["4"]}
+    assert list(mode["layout_errors"]) == ["step_overhead cnn N=1"]
+    assert mode["calibration"]["steps_per_s"] == 10.0
+    # Set-up time is recorded per layout (wall minus timed rounds).
+    assert "setup_s" in results["mlp"]["4"]
 
 
 @pytest.mark.slow
@@ -84,7 +153,9 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
         assert sorted(by_n) == ["1", "2"]
         for n, figures in by_n.items():
             assert figures["replicas"] == int(n)
-            for method in ("bare_loop_32", "trainer_32", "trainer_1",
+            for method in ("bare_loop_32", "bare_loop_keras",
+                           "bare_loop_reduce_once", "bare_loop_32_steady",
+                           "trainer_32", "trainer_32_steady", "trainer_1",
                            "keras_fit"):
                 assert figures[method] > 0
             assert figures["trainer_32_vs_bare_loop_32"] > 0
@@ -121,9 +192,15 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
         "batch B", "cnn: Trainer XLA / uncompiled bare loop at N=1",
         "cnn: Trainer XLA / uncompiled bare loop at N=2",
         "mlp: tfmulti fit / Keras fit, whole 64-step call at N=2",
-        "mlp: tfmulti fit steady / Trainer at N=2"}
+        "mlp: tfmulti fit / Trainer, steady, at N=2",
+        "all-reduce speed-up: default 4 MiB packs over one pack"}
     for goal in results["goals"]:
-        assert goal["status"] == ("met" if goal["met"] else "MISSED"), goal
+        # One round per layout here: a ratio without an interval is never
+        # judged.
+        assert goal["status"] in ("met", "MISSED", "not shown"), goal
+        assert goal["met"] == (goal["status"] == "met"), goal
+    assert results["calibration"]["steps_per_s"] == (
+        results["step_overhead"]["mlp"]["1"]["bare_loop_32"])
     load = results["load_average"]
     assert len(load["start"]) == len(load["end"]) == 3
     assert set(load["parts"]) == set(bench_main.PART_NAMES)

@@ -29,6 +29,8 @@ def test_each_name_gives_the_expected_strategy(probe):
     expected_auto = "MirroredStrategy" if count > 1 else "OneDeviceStrategy"
     assert created["auto"] == [expected_auto, count]
     assert result["options"] == [1 << 20, 30]
+    # pack_bytes=None: tfmulti's measured default, 4 MiB packs.
+    assert result["default_bytes_per_pack"] == 4 << 20
     assert result["again"] == count
     assert result["all_reduce_sums"] == sorted({1.0, min(2.0, count), count})
 

@@ -59,7 +59,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "mirrored; ring, nccl for multi_worker).", **fv)
     flags.DEFINE_integer("pack_bytes", None, "Pack gradients into chunks of "
                          "this many bytes (a positive number) for the "
-                         "all-reduce; default: TensorFlow's packing.",
+                         "all-reduce; default: 4 MiB "
+                         "(tfmulti.strategies.DEFAULT_PACK_BYTES).",
                          lower_bound=1, **fv)
     flags.DEFINE_float("startup_timeout", None, "Seconds a multi-worker "
                        "job's worker waits for its peers to resolve and to "

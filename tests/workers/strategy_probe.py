@@ -29,8 +29,8 @@ with warnings.catch_warnings(record=True) as caught:
     s = tfmulti.create_strategy("mirrored", devices=devices[:1],
                                 all_reduce="reduce_to_one",
                                 pack_bytes=1 << 20, timeout_seconds=30)
-    tfmulti.create_strategy("mirrored", devices=devices[:1],
-                            timeout_seconds=30)
+    default = tfmulti.create_strategy("mirrored", devices=devices[:1],
+                                      timeout_seconds=30)
 # An explicit per-collective timeout warns once per process (issue 19).
 result["timeout_warnings"] = [str(w.message) for w in caught
                               if "timeout_seconds" in str(w.message)]
@@ -49,6 +49,8 @@ for n in sorted({1, min(2, count), count}):
     sums.append(float(mirrored.experimental_local_results(per_replica)[0]))
 result["all_reduce_sums"] = sums
 result["options"] = [opts.bytes_per_pack, opts.timeout_seconds]
+result["default_bytes_per_pack"] = tfmulti.strategies.communication_options(
+    default).bytes_per_pack
 for label, kwargs in {
         "bad_name": dict(name="horovod"),
         "bad_algorithm": dict(name="mirrored", all_reduce="ring"),

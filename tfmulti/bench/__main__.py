@@ -55,11 +55,17 @@ MODES = {
     },
     "quick": {
         "replicas": (1, 4),
-        # 256 steps: the fit goal is about a 256-step call. Only what a
+        # A time budget, not a count of rounds: step-overhead layouts run
+        # paired rounds until every goal ratio's 95% interval is narrower
+        # than `ci_width` (high/low - 1) or their share of the budget is
+        # spent; the parts after them keep `reserve_seconds`. Only what a
         # goal is judged by: XLA on the CNN, no steps_per_loop=1 Trainer.
-        "mlp": {"steps": 256, "repeats": 3, "xla": False,
-                "steps_per_loop_1": False},
-        "cnn": {"steps": 64, "repeats": 3, "steps_per_loop_1": False},
+        "budget_seconds": 180,
+        "reserve_seconds": 45,
+        "mlp": {"steps": 128, "repeats": 40, "xla": False,
+                "steps_per_loop_1": False, "ci_width": 0.05},
+        "cnn": {"steps": 64, "repeats": 40, "steps_per_loop_1": False,
+                "ci_width": 0.05},
         "input_pipeline": {"replicas": 2, "steps": 10, "rounds": 4},
         "communication": {"params": 10_000_000, "steps": 2, "repeats": 3},
         "memory": {"batch": 128, "grad_accum_steps": 4, "steps": 3},
@@ -68,8 +74,8 @@ MODES = {
         "replicas": (1, 2),
         # Two calls of 32 steps: the steady fit rate is timed between them.
         # XLA on the CNN only (its goal): each compile costs seconds.
-        "mlp": {"steps": 64, "repeats": 1, "xla": False},
-        "cnn": {"steps": 64, "repeats": 1, "batch": 8},
+        "mlp": {"steps": 64, "repeats": 1, "xla": False, "warmup": False},
+        "cnn": {"steps": 64, "repeats": 1, "batch": 8, "warmup": False},
         # Uncached: no untimed caching pass over 1250 batches of 16.
         "input_pipeline": {"replicas": 1, "steps": 2, "rounds": 1,
                            "global_batch_size": 16, "cache": False},
@@ -150,18 +156,51 @@ def _step_overhead(mode, timeout):
             **{model: mode[model] for model in ("mlp", "cnn")}},
             timeout=timeout)[0]
 
-    def layout(model, n):
-        return lambda: _run_part(
-            "step_overhead", dict(mode[model], replicas=n, model=model),
-            timeout=timeout)[0]
+    layouts = [(model, n) for n in mode["replicas"]
+               for model in ("mlp", "cnn")]
+    # Set-up (process start, building and tracing every variant) of a
+    # layout, before its timed rounds; refined by each layout measured.
+    setup = {"seconds": 30.0}
 
-    calls = {(model, str(n)): layout(model, n)
-             for n in mode["replicas"] for model in ("mlp", "cnn")}
+    def layout(model, n):
+        def call():
+            kwargs = dict(mode[model], replicas=n, model=model)
+            if "deadline" in mode:
+                left = mode["deadline"] - mode["reserve_seconds"] - (
+                    time.monotonic())
+                layouts_left = len(layouts) - layouts.index((model, n))
+                kwargs["budget_seconds"] = max(
+                    left / layouts_left - setup["seconds"], 5.0)
+            began = time.monotonic()
+            try:
+                figures = _run_part("step_overhead", kwargs,
+                                    timeout=timeout)[0]
+            except Exception:  # one layout must not lose the others
+                mode.setdefault("layout_errors", {})[
+                    f"step_overhead {model} N={n}"] = traceback.format_exc()
+                print(f"tfmulti.bench: step_overhead {model} N={n} FAILED:\n"
+                      f"{traceback.format_exc()[-1000:]}", flush=True)
+                return None
+            setup["seconds"] = time.monotonic() - began - figures.get(
+                "timing_s", 0.0)
+            figures["setup_s"] = setup["seconds"]
+            if (model, n) == layouts[0]:
+                # The machine's calibration, first: compare rates through it.
+                calibration = report.calibration(figures)
+                mode["calibration"] = calibration
+                print(f"tfmulti.bench: calibration: {calibration['name']} "
+                      f"{calibration['steps_per_s']:.0f} steps/s",
+                      flush=True)
+            return figures
+        return call
+
+    calls = {(model, str(n)): layout(model, n) for model, n in layouts}
     results = {"mlp": {}, "cnn": {}}
     for (model, n), figures in _in_turn(
             calls, mode.get("concurrent", False)).items():
-        results[model][n] = figures
-    return results
+        if figures is not None:
+            results[model][n] = figures
+    return {model: by_n for model, by_n in results.items() if by_n}
 
 
 def _communication(mode, timeout):
@@ -307,12 +346,15 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
     began = time.monotonic()
     load_start = os.getloadavg()
     settings = dict(MODES[mode], data_dir=data_dir, out=out)
+    if "budget_seconds" in settings:
+        settings["deadline"] = began + settings["budget_seconds"]
     for name in ("communication_reduction", "recipes"):
         if seeds is not None and name in settings:
             settings[name] = dict(settings[name], seeds=tuple(seeds))
     results = {"schema_version": report.SCHEMA_VERSION,
                "machine": report.machine(),
-               "settings": dict(settings, mode=mode,
+               "settings": dict({k: v for k, v in settings.items()
+                                 if k != "deadline"}, mode=mode,
                                 replicas=list(settings["replicas"])),
                "step_overhead": {}, "input_pipeline": None,
                "communication": None, "accumulation_memory": None,
@@ -341,6 +383,10 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
               for name in PART_NAMES if name in only},
              settings.get("concurrent", False))
     results["seconds"] = time.monotonic() - began
+    results["errors"].update(settings.get("layout_errors", {}))
+    mlp = results["step_overhead"].get("mlp") or {}
+    results["calibration"] = settings.get("calibration") or (
+        report.calibration(mlp[min(mlp, key=int)]) if mlp else None)
     results["load_average"]["end"] = os.getloadavg()
     written = report.write(results, out)
     print(f"tfmulti.bench: wrote {written['json']}, {written['markdown']}"
@@ -355,8 +401,10 @@ def main(argv=None):
                         help="directory for results.json, results.md, PNGs")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="fewer steps, repeats and layouts (< 3 min on "
-                      "an idle 2-core machine)")
+                      help="N=1 and 4 only, to a time budget: paired "
+                      "rounds until each goal ratio's 95%% interval is "
+                      "narrower than 5%% or the budget is spent (< 3 min "
+                      "on an idle 2-core machine)")
     size.add_argument("--tiny", action="store_true",
                       help="smallest configuration, for tests only")
     parser.add_argument("--only", nargs="+", choices=PART_NAMES,
@@ -371,6 +419,9 @@ def main(argv=None):
                         "recipes parts (one training per configuration and "
                         "seed; default: 0 only, and 0 1 2 for recipes)")
     args = parser.parse_args(argv)
+    # SIGTERM (e.g. `timeout`) unwinds like an exception, so every part's
+    # `finally` kills its process group instead of orphaning it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     # Before any part imports TensorFlow here: its start-up lines off.
     quiet_logging.quiet([])
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
@@ -380,8 +431,10 @@ def main(argv=None):
     print(f"tfmulti.bench: {results['seconds']:.0f} s; load average "
           f"{report.format_load(results['load_average']['start'])} at start, "
           f"{report.format_load(results['load_average']['end'])} at end")
+    for line in report.calibration_lines(results)[:1]:
+        print(f"  {line}")
     for goal in results["goals"]:
-        print(f"  {goal['name']}: {report._fmt(goal['value'])} (goal "
+        print(f"  {goal['name']}: {report.format_goal_value(goal)} (goal "
               f"{goal['goal']}) {goal['status']}")
     return 1 if results["errors"] else 0
 

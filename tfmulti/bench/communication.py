@@ -22,6 +22,7 @@ import time
 import tensorflow as tf
 
 from tfmulti import strategies
+from tfmulti.bench import stats
 from tfmulti.training import gradients as gradients_lib
 
 COLLECTIVE_OP = "CollectiveReduceV2"
@@ -85,10 +86,15 @@ class ReduceConfig:
 DEFAULT_CONFIGS = (
     ReduceConfig("per_tensor_float32", per_tensor=True),
     ReduceConfig("one_pack_float32"),
+    ReduceConfig("pack_1MiB_float32", pack_bytes=1 << 20),
     ReduceConfig("pack_4MiB_float32", pack_bytes=4 << 20),
+    ReduceConfig("pack_16MiB_float32", pack_bytes=16 << 20),
     ReduceConfig("one_pack_bfloat16", dtype="bfloat16"),
+    ReduceConfig("pack_4MiB_bfloat16", pack_bytes=4 << 20, dtype="bfloat16"),
     ReduceConfig("one_pack_float16", dtype="float16"),
 )
+# What every other configuration's time is judged against (paired ratios).
+BASELINE = "one_pack_float32"
 
 
 def gradient_shapes(params: int) -> list[tuple[int, ...]]:
@@ -160,13 +166,15 @@ def _loop(strategy, replica_fn):
     return loop
 
 
+def _time_once(loop, steps):
+    began = time.perf_counter()
+    loop(tf.constant(steps)).numpy()
+    return (time.perf_counter() - began) / steps
+
+
 def _time(loop, steps, repeats):
     loop(tf.constant(1))  # trace and warm up
-    per_step = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        loop(tf.constant(steps)).numpy()
-        per_step.append((time.perf_counter() - began) / steps)
+    per_step = [_time_once(loop, steps) for _ in range(repeats)]
     return statistics.median(per_step), per_step
 
 
@@ -181,7 +189,10 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
       strategy: a multi-worker strategy (from `create_strategy`).
       params: parameters of the model whose gradients are reduced.
       steps: all-reduces per timed call.
-      repeats: timed calls per configuration; the median is reported.
+      repeats: rounds; each round times every configuration once, in a
+        rotating order, so a burst of load hits neighbours alike; the
+        median per configuration is reported, and per configuration the
+        paired ratio to `BASELINE` with its 95% interval.
       configs: `ReduceConfig`s to measure.
 
     Returns:
@@ -189,16 +200,29 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
       step to make the gradients without reducing them, "configs": {name:
       {"seconds_per_step", "rounds", "collectives_per_step", "wire_dtypes",
       "payload_bytes", "ring_bytes_per_worker", "pack_bytes", "dtype",
-      "per_tensor"}}}.
+      "per_tensor", "speedup_vs_baseline": {"ratio", "low", "high",
+      "rounds"} (BASELINE's time / this one's; > 1 is faster)}}}.
     """
+    configs = tuple(configs)
     shapes = gradient_shapes(params)
     num_params = sum(int(tf.TensorShape(s).num_elements()) for s in shapes)
     workers = strategy.num_replicas_in_sync
     fill_only, _ = _time(_fill_only_fn(strategy, shapes), steps, repeats)
+    loops = {}
+    for config in configs:
+        loops[config.name] = _reduce_fn(strategy, shapes, config)
+        loops[config.name](tf.constant(1))  # trace and warm up
+    times = {config.name: [] for config in configs}
+    for index in range(repeats):
+        # Rotated, identically on every worker (the collectives pair up).
+        shift = index % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            times[config.name].append(_time_once(loops[config.name], steps))
     results = {}
     for config in configs:
-        loop = _reduce_fn(strategy, shapes, config)
-        seconds, rounds = _time(loop, steps, repeats)
+        loop = loops[config.name]
+        rounds = times[config.name]
+        seconds = statistics.median(rounds)
         graph = loop.get_concrete_function(tf.constant(1)).graph.as_graph_def()
         itemsize = tf.dtypes.as_dtype(config.dtype or "float32").size
         payload = num_params * itemsize
@@ -213,6 +237,9 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
                                          payload),
             "pack_bytes": config.pack_bytes, "dtype": config.dtype or "float32",
             "per_tensor": config.per_tensor}
+        if BASELINE in times:
+            results[config.name]["speedup_vs_baseline"] = stats.paired_ratio(
+                times[BASELINE], rounds)
     return {"params": num_params, "workers": workers,
             "gradient_tensors": len(shapes), "fill_only_s": fill_only,
             "steps": steps, "repeats": repeats, "configs": results}

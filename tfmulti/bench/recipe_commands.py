@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from tfmulti.bench import stats
+
 # name: (recipe flags, tfmulti-launch flags or None for one process, goal
 # in points below sync). A pipeline runs in one process (it refuses a
 # cluster): its two stages on two logical CPUs, not two workers.
@@ -37,11 +39,6 @@ ROWS = {
     "pipeline": (("--cpu_replicas=2", "--pipeline_stages=2",
                   "--micro_batches=4"), None, None),
 }
-# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262,
-        2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093,
-        2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
-        2.042)
 
 
 def command(row: str, *, seed: int, steps: int | None, model_dir: str,
@@ -68,7 +65,7 @@ def interval(values) -> tuple[float, float, float]:
     if n < 2:
         return mean, -math.inf, math.inf
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = _T95[min(n - 1, len(_T95)) - 1] * sd / math.sqrt(n)
+    half = stats.t95(n - 1) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
 
 

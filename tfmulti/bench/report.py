@@ -20,8 +20,12 @@ import os
 import platform
 
 from tfmulti.bench import communication_reduction
+from tfmulti.bench import stats
+from tfmulti.bench import step_overhead
 
 SCHEMA_VERSION = 1
+# The communication configuration `strategies.DEFAULT_PACK_BYTES` gives.
+DEFAULT_PACK_CONFIG = "pack_4MiB_float32"
 TOP_LEVEL_KEYS = ("schema_version", "machine", "settings", "step_overhead",
                   "replica_overhead", "input_pipeline", "communication",
                   "accumulation_memory", "soak", "goals", "errors",
@@ -31,8 +35,13 @@ TOP_LEVEL_KEYS = ("schema_version", "machine", "settings", "step_overhead",
 QUICK_SECONDS = 180
 # Step-overhead keys that are settings or ratios, not methods' steps/s.
 _NOT_METHODS = {"replicas", "batch", "width", "steps", "repeats", "model",
-                "rounds", "load_average"}
-LABELS = {"bare_loop_32": "bare tf.range loop (ceiling)",
+                "rounds", "load_average", "intervals", "timing_s",
+                "budget_seconds", "ci_width", "min_rounds",
+                "bare_loop_structure", "setup_s"}
+LABELS = {"bare_loop_32": "bare tf.range loop (ceiling: the faster of the "
+                          "two below)",
+          "bare_loop_keras": "bare loop, Keras apply_gradients reduces",
+          "bare_loop_reduce_once": "bare loop, one all-reduce + apply",
           "trainer_32": "tfmulti Trainer, steps_per_loop 32",
           "trainer_1": "tfmulti Trainer, steps_per_loop 1",
           "keras_fit": "Keras 3 default model.fit",
@@ -89,7 +98,15 @@ def goals(results: dict) -> list[dict]:
                       "status": "met" if met else "MISSED"})
 
     def add_ratio(figures, key, goal, name):
-        if key in figures:
+        interval = figures.get("intervals", {}).get(key)
+        if interval is not None:
+            # Judged by the 95% interval of the paired per-round ratios.
+            status = stats.verdict(interval, goal)
+            found.append({"name": name, "value": interval["ratio"],
+                          "interval": [interval["low"], interval["high"]],
+                          "rounds": interval["rounds"], "goal": f">= {goal}",
+                          "met": status == "met", "status": status})
+        elif key in figures:
             add(name, figures[key], f">= {goal}", figures[key] >= goal)
 
     for model, by_n in results.get("step_overhead", {}).items():
@@ -97,6 +114,10 @@ def goals(results: dict) -> list[dict]:
         for n in ns:
             add_ratio(by_n[n], "trainer_32_vs_bare_loop_32", 0.95,
                       f"{model}: Trainer/bare loop at N={n}")
+            add_ratio(by_n[n], "trainer_32_steady_vs_bare_loop_32_steady",
+                      0.95, f"{model}: Trainer/bare loop, steady, at N={n}")
+            add_ratio(by_n[n], "tfmulti_fit_32_steady_vs_bare_loop_32_steady",
+                      0.95, f"{model}: tfmulti fit/bare loop, steady, at N={n}")
         if not ns:
             continue
         top = by_n[ns[-1]]
@@ -110,8 +131,8 @@ def goals(results: dict) -> list[dict]:
             add_ratio(top, "tfmulti_fit_32_vs_keras_fit", 3,
                       f"mlp: tfmulti fit / Keras fit, whole {top['steps']}-"
                       f"step call at N={ns[-1]}")
-            add_ratio(top, "tfmulti_fit_32_steady_vs_trainer_32", 0.9,
-                      f"mlp: tfmulti fit steady / Trainer at N={ns[-1]}")
+            add_ratio(top, "tfmulti_fit_32_steady_vs_trainer_32_steady", 0.9,
+                      f"mlp: tfmulti fit / Trainer, steady, at N={ns[-1]}")
     pipe = results.get("input_pipeline")
     if pipe:
         add("input pipeline / in-memory (paired)", pipe["ratio_paired"],
@@ -123,11 +144,23 @@ def goals(results: dict) -> list[dict]:
         add("bfloat16 bytes / float32 bytes", bytes_ratio, "0.5",
             abs(bytes_ratio - 0.5) < 1e-9 and
             b16["wire_dtypes"] == ["bfloat16"])
-        per, one = comm["per_tensor_float32"], f32
-        add("collectives: per-tensor -> packed",
-            f"{per['collectives_per_step']} -> "
-            f"{one['collectives_per_step']}", "fewer",
-            one["collectives_per_step"] < per["collectives_per_step"])
+        # Judged by time: a configuration is better only if its all-reduce
+        # is faster, whatever its count of collectives.
+        for faster, slower, name in (
+                (DEFAULT_PACK_CONFIG, "one_pack_float32",
+                 "all-reduce speed-up: default 4 MiB packs over one pack"),
+                ("pack_4MiB_bfloat16", DEFAULT_PACK_CONFIG,
+                 "all-reduce speed-up: bfloat16 over float32 on the wire "
+                 "(4 MiB packs; opt-in, lossy)")):
+            if faster in comm and slower in comm:
+                interval = stats.paired_ratio(comm[slower]["rounds"],
+                                              comm[faster]["rounds"])
+                status = stats.verdict(interval, 1.0)
+                found.append({
+                    "name": name, "value": interval["ratio"],
+                    "interval": [interval["low"], interval["high"]],
+                    "rounds": interval["rounds"], "goal": "> 1",
+                    "met": status == "met", "status": status})
     reduced = (results.get("communication_reduction") or {}).get("configs")
     if reduced:
         found.extend(communication_reduction.goals(reduced))
@@ -157,8 +190,34 @@ def goals(results: dict) -> list[dict]:
     return found
 
 
+def calibration(figures: dict) -> dict:
+    """The calibration of a step-overhead layout: its bare loop's rate."""
+    return {"name": f"bare loop, {figures['model']}, N={figures['replicas']}",
+            "steps_per_s": figures["bare_loop_32"],
+            "load_average": figures["load_average"]["before"]}
+
+
+def calibration_lines(results: dict) -> list[str]:
+    """The machine's calibration line (bare loop steps/s), if measured."""
+    c = results.get("calibration")
+    if not c:
+        return []
+    return [f"Calibration: {c['name']} {c['steps_per_s']:.0f} steps/s "
+            f"(load average {format_load(c.get('load_average'))}); compare "
+            "rates between machines through it.", ""]
+
+
 def format_load(values):
     return "?" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
+def format_goal_value(goal: dict) -> str:
+    """A goal's measured value, with its 95% interval and rounds if any."""
+    interval = goal.get("interval")
+    if not interval or interval[0] is None:
+        return _fmt(goal["value"])
+    return (f"{goal['value']:.3g} [{interval[0]:.3g}, {interval[1]:.3g}] "
+            f"({goal['rounds']} rounds)")
 
 
 def _fmt(value):
@@ -178,12 +237,16 @@ def markdown(results: dict) -> str:
              f"at start {format_load(load.get('start'))}, at end "
              f"{format_load(load.get('end'))}. Settings: "
              f"{results['settings']['mode']}; total "
-             f"{results['seconds']:.0f} s.", "", "## Goals", "",
+             f"{results['seconds']:.0f} s.", "", *calibration_lines(results),
+             "## Goals", "",
+             "A ratio is judged by its 95% interval over paired rounds: "
+             "met when the whole interval reaches the goal, MISSED when it "
+             "lies below, not shown when it straddles the goal.", "",
              "| goal | measured | target | status |",
              "| --- | --- | --- | --- |"]
     for g in results["goals"]:
-        lines.append(f"| {g['name']} | {_fmt(g['value'])} | {g['goal']} | "
-                     f"{g['status']} |")
+        lines.append(f"| {g['name']} | {format_goal_value(g)} | "
+                     f"{g['goal']} | {g['status']} |")
     for part, around in load.get("parts", {}).items():
         lines.append(f"\nLoad average around {part}: before "
                      f"{format_load(around['before'])}, after "
@@ -196,10 +259,7 @@ def markdown(results: dict) -> str:
         for method in methods(by_n[ns[0]]):
             lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(
                 _fmt(by_n[n].get(method, float("nan"))) for n in ns) + " |")
-        for ratio in ("trainer_32_vs_bare_loop_32", "trainer_32_vs_keras_fit",
-                      "trainer_32_xla_vs_bare_loop_32",
-                      "tfmulti_fit_32_vs_keras_fit",
-                      "tfmulti_fit_32_steady_vs_trainer_32"):
+        for ratio in (f"{a}_vs_{b}" for a, b, _ in step_overhead.RATIOS):
             if any(ratio in by_n[n] for n in ns):
                 lines.append(f"| ratio {ratio} | " + " | ".join(
                     _fmt(by_n[n].get(ratio, float("nan"))) for n in ns)

@@ -1,11 +1,12 @@
 """Step overhead: Trainer vs a bare `tf.range` loop vs Keras `model.fit`.
 
     python -m tfmulti.bench.step_overhead [--replicas 4] [--steps 256]
-        [--repeats 5] [--json]
+        [--repeats 5] [--budget_seconds S] [--ci_width 0.05] [--json]
 
 One process, N simulated CPU replicas (MirroredStrategy), an MLP with two
 hidden layers of 64, global batch 64, Adam. Measures, in one run: a bare
-loop of 32 steps per `tf.function` over `strategy.run` (the floor), the
+loop of 32 steps per `tf.function` over `strategy.run` (the ceiling: the
+faster of two structures, see `_bare_loop`), the
 Trainer with steps_per_loop=32 and =1, Keras `fit` with its defaults, and
 Keras `fit` through `tfmulti.keras.distributed` with steps_per_execution=32,
 and the Trainer with `jit_compile=True` (XLA per replica). Prints steps/s and
@@ -21,8 +22,15 @@ import time
 
 LOOP = 32
 # (numerator, denominator) of the ratios reported, with their goals.
-RATIOS = (("trainer_32", "bare_loop_32", 0.95), ("trainer_32", "keras_fit", 5),
-          ("tfmulti_fit_32_steady", "trainer_32", 0.9),
+# Like for like: a whole `fit` call's rate against another whole call's, a
+# steady rate (from the end of a call's first loop to the end of its last:
+# no per-call costs, no first loop after another variant ran) against
+# another steady rate.
+RATIOS = (("trainer_32", "bare_loop_32", 0.95),
+          ("trainer_32_steady", "bare_loop_32_steady", 0.95),
+          ("tfmulti_fit_32_steady", "bare_loop_32_steady", 0.95),
+          ("trainer_32", "keras_fit", 5),
+          ("tfmulti_fit_32_steady", "trainer_32_steady", 0.9),
           ("tfmulti_fit_32_steady", "keras_fit_steady", 5),
           ("tfmulti_fit_32", "keras_fit", 3),
           ("trainer_32_xla", "bare_loop_32", 1.3))
@@ -72,23 +80,39 @@ def _setup(replicas, batch, width, model, devices):
     return strategy, dataset, build
 
 
-def _bare_loop(strategy, dataset, build, steps):
+def _bare_loop(strategy, dataset, build, steps, *, reduce_once):
+    """The bench's ceiling: 32 steps per `tf.function` over `strategy.run`,
+    nothing else. Two structures, both timed every round, the faster one
+    taken: Keras's `apply_gradients` in replica context (it reduces the
+    gradients in its own merge call), or one explicit all-reduce of the
+    gradients and an `apply` that does not reduce again (what `TrainStep`
+    does)."""
     import keras
     import tensorflow as tf
+
+    from tfmulti.training import gradients as gradients_lib
 
     model, optimizer = build()
     with strategy.scope():
         optimizer.build(model.trainable_variables)
+    if reduce_once:
+        gradients_lib.disable_optimizer_reduction(optimizer)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                          reduction=None)
     batch = int(dataset.element_spec[0].shape[0])
+    variables = model.trainable_variables
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
             loss = tf.nn.compute_average_loss(
                 loss_fn(y, model(x, training=True)), global_batch_size=batch)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        grads = tape.gradient(loss, variables)
+        if reduce_once:
+            grads = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, grads)
+            optimizer.apply(grads, variables)
+        else:
+            optimizer.apply_gradients(zip(grads, variables))
 
     @tf.function
     def loop(iterator, n):
@@ -98,13 +122,16 @@ def _bare_loop(strategy, dataset, build, steps):
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     n = tf.constant(LOOP)
     loop(iterator, n)
+    name = "bare_loop_reduce_once" if reduce_once else "bare_loop_keras"
 
     def timed():
         began = time.perf_counter()
+        ends = []
         for _ in range(steps // LOOP):
             loop(iterator, n)
-        return {"bare_loop_32": steps // LOOP * LOOP / (
-            time.perf_counter() - began)}
+            ends.append(time.perf_counter())
+        return {name: steps / (ends[-1] - began),
+                f"{name}_steady": (len(ends) - 1) * LOOP / (ends[-1] - ends[0])}
     return timed
 
 
@@ -121,12 +148,23 @@ def _trainer(strategy, dataset, build, steps, steps_per_loop, *, name,
                                                         reduction=None))
     data = strategy.experimental_distribute_dataset(dataset)
     trainer.fit(data, steps=LOOP, verbose=0)
+    ends = []
+    clock = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(
+            (batch, time.perf_counter())))
 
     def timed():
+        ends.clear()
         began = time.perf_counter()
         # `steps` is the total to reach: train `steps` more.
-        trainer.fit(data, steps=trainer.step + steps, verbose=0)
-        return {name: steps / (time.perf_counter() - began)}
+        trainer.fit(data, steps=trainer.step + steps, verbose=0,
+                    callbacks=[clock])
+        elapsed = time.perf_counter() - began
+        figures = {name: steps / elapsed}
+        if steps_per_loop == LOOP:
+            (first, t0), (last, t1) = ends[0], ends[-1]
+            figures[f"{name}_steady"] = (last - first) / (t1 - t0)
+        return figures
     return timed
 
 
@@ -172,27 +210,44 @@ def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
 def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         steps: int = 256, repeats: int = 5, model: str = "mlp",
         xla: bool = True, steps_per_loop_1: bool = True,
-        devices=None) -> dict:
+        devices=None, budget_seconds: float | None = None,
+        ci_width: float | None = None, min_rounds: int = 3,
+        warmup: bool = True) -> dict:
     """Measures every variant in this process; returns the figures.
 
     Must run in a fresh process (it lays out `replicas` simulated devices),
     unless `devices` (logical devices already laid out, at least
     `replicas`) is given.
-    The variants are timed in turn, `repeats` rounds; each figure is the
-    median of its rounds and each ratio the median of per-round ratios, so
+    One untimed round warms every variant up (unless not `warmup`: smoke
+    runs, whose timings mean nothing); then rounds time every
+    variant once each, in an order that alternates. Each figure is the
+    median of its rounds; each ratio is judged paired: the geometric mean
+    of its per-round ratios with a 95% interval (`stats.paired_ratio`), so
     a burst of load on a shared machine hits both sides of a ratio alike.
 
+    Rounds: `repeats` of them; or, with `budget_seconds` or `ci_width`, at
+    least `min_rounds` and at most `repeats`, stopping as soon as every
+    goal ratio's interval is narrower than `ci_width` (relative:
+    high/low - 1) or the next round would pass `budget_seconds` of timing.
+
+    The ceiling, "bare_loop_32", is the faster (geometric mean over the
+    rounds) of two bare loop structures (`_bare_loop`), both reported;
+    "bare_loop_structure" names it.
     With `xla`, also the Trainer with `jit_compile=True`
     ("trainer_32_xla"), judged against the UNCOMPILED bare loop. Without
     `steps_per_loop_1`, no "trainer_1" (no goal is judged by it).
 
     Returns:
-      {"bare_loop_32", "trainer_32", "trainer_1", "keras_fit",
-      "keras_fit_steady", "tfmulti_fit_32", "tfmulti_fit_32_steady",
-      "trainer_32_xla"} in steps/s, the ratios "<a>_vs_<b>" of RATIOS, the
-      raw "rounds" and the "load_average" before and after.
+      {"bare_loop_32", "bare_loop_keras", "bare_loop_reduce_once",
+      "trainer_32", "trainer_1", "keras_fit", "keras_fit_steady",
+      "tfmulti_fit_32", "tfmulti_fit_32_steady", "trainer_32_xla"} in
+      steps/s, the ratios "<a>_vs_<b>" of RATIOS and their "intervals"
+      ({"ratio", "low", "high", "rounds"}), the raw "rounds", "timing_s"
+      and the "load_average" before and after.
     """
     import statistics
+
+    from tfmulti.bench import stats
 
     if model not in MODELS:
         raise ValueError(f"`model` is {model!r}; use one of {list(MODELS)}.")
@@ -201,11 +256,15 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         # last call of LOOP steps: it needs two calls at least.
         raise ValueError(f"`steps` is {steps}; it should be a multiple of "
                          f"{LOOP} and at least {2 * LOOP}.")
+    if repeats < 1 or min_rounds < 1:
+        raise ValueError(f"`repeats` is {repeats} and `min_rounds` "
+                         f"{min_rounds}; both should be at least 1.")
     load_before = os.getloadavg()
     strategy, dataset, build = _setup(replicas, batch, width, model,
                                       devices)
     variants = [
-        _bare_loop(strategy, dataset, build, steps),
+        _bare_loop(strategy, dataset, build, steps, reduce_once=False),
+        _bare_loop(strategy, dataset, build, steps, reduce_once=True),
         _trainer(strategy, dataset, build, steps, LOOP, name="trainer_32"),
         _keras_fit(strategy, dataset, build, steps, name="keras_fit"),
         _keras_fit(strategy, dataset, build, steps, name="tfmulti_fit_32",
@@ -217,22 +276,48 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     if xla:
         variants.append(_trainer(strategy, dataset, build, steps, LOOP,
                                  name="trainer_32_xla", jit_compile=True))
+    for timed in variants if warmup else ():  # warm-up round, untimed
+        timed()
+    adaptive = budget_seconds is not None or ci_width is not None
     rounds = {}
+    intervals = {}
+    began = time.monotonic()
     for index in range(repeats):
+        round_began = time.monotonic()
         # Alternate the order, so that no variant always follows Keras fit.
         for timed in variants if index % 2 == 0 else variants[::-1]:
             for name, rate in timed().items():
                 rounds.setdefault(name, []).append(rate)
+        # The faster structure over all rounds so far, not the faster one
+        # per round: a per-round maximum of two noisy rates of the same
+        # loop would raise the ceiling by the noise.
+        structure = max(("bare_loop_keras", "bare_loop_reduce_once"),
+                        key=lambda k: stats.geometric_mean(rounds[k]))
+        rounds["bare_loop_32"] = list(rounds[structure])
+        rounds["bare_loop_32_steady"] = list(rounds[f"{structure}_steady"])
+        intervals = {f"{name}_vs_{other}": stats.paired_ratio(
+            rounds[name], rounds[other]) for name, other, _ in RATIOS
+            if name in rounds and other in rounds}
+        if not adaptive or index + 1 < min_rounds:
+            continue
+        now = time.monotonic()
+        if ci_width is not None and all(
+                stats.relative_width(i) < ci_width
+                for i in intervals.values()):
+            break
+        if budget_seconds is not None and (
+                now + (now - round_began) - began > budget_seconds):
+            break
     figures = {name: statistics.median(r) for name, r in rounds.items()}
-    # Ratios of figures timed back to back in the same round, then the
-    # median: load from other processes shifts both sides of a pair alike.
-    for name, other, _ in RATIOS:
-        if name in rounds and other in rounds:
-            figures[f"{name}_vs_{other}"] = statistics.median(
-                a / b for a, b in zip(rounds[name], rounds[other]))
+    for key, interval in intervals.items():
+        figures[key] = interval["ratio"]
+    figures["intervals"] = intervals
+    figures["bare_loop_structure"] = structure
     figures["rounds"] = rounds
     figures.update(replicas=replicas, batch=batch, width=width, steps=steps,
                    repeats=repeats, model=model,
+                   timing_s=time.monotonic() - began,
+                   budget_seconds=budget_seconds, ci_width=ci_width,
                    load_average={"before": load_before,
                                  "after": os.getloadavg()})
     return figures
@@ -263,6 +348,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--budget_seconds", type=float, default=None,
+                        help="stop timing rounds after about this long")
+    parser.add_argument("--ci_width", type=float, default=None,
+                        help="stop once every goal ratio's 95%% interval "
+                        "is narrower than this (high/low - 1)")
     parser.add_argument("--no_xla", action="store_true",
                         help="skip the XLA-compiled Trainer variant")
     parser.add_argument("--json", action="store_true",
@@ -271,21 +361,24 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     figures = run(replicas=args.replicas, steps=args.steps,
                   repeats=args.repeats, model=args.model,
-                  xla=not args.no_xla)
+                  xla=not args.no_xla, budget_seconds=args.budget_seconds,
+                  ci_width=args.ci_width)
     if args.json:
         print(json.dumps(figures))
         return
+    from tfmulti.bench import stats
+    done = len(figures["rounds"]["bare_loop_32"])
     print(f"{args.replicas} simulated CPU replicas, {args.model}, global "
-          f"batch 64, Adam, median of {args.repeats} rounds of {args.steps} "
+          f"batch 64, Adam, median of {done} rounds of {args.steps} "
           f"steps; load average {figures['load_average']}")
     for key, value in figures.items():
         if key in figures["rounds"]:
             print(f"  {key:<22} {value:8.1f} steps/s")
     for name, other, goal in RATIOS:
-        ratio = figures.get(f"{name}_vs_{other}")
-        if ratio is not None:
-            print(f"  {name} / {other}: {ratio:.2f}x (goal >= {goal}) "
-                  f"{'met' if ratio >= goal else 'MISSED'}")
+        interval = figures["intervals"].get(f"{name}_vs_{other}")
+        if interval is not None:
+            print(f"  {name} / {other}: {stats.format_interval(interval)} "
+                  f"(goal >= {goal}) {stats.verdict(interval, goal)}")
 
 
 if __name__ == "__main__":
