@@ -132,12 +132,14 @@ class TrainStep:
         `communication`); default: one synchronous all-reduce per update.
       jit_compile: compile each replica's forward and backward with XLA
         (the all-reduce and the update stay outside; see `xla.py`).
+      sharding: an `optimizer_sharding.ShardedOptimizer` that applies the
+        reduced, clipped gradients in place of `optimizer` (ZeRO-1).
     """
 
     def __init__(self, strategy, model, optimizer, compute_loss, *,
                  options: GradientOptions = GradientOptions(), metrics=(),
                  communication_options=None, reducer=None,
-                 jit_compile: bool = False):
+                 jit_compile: bool = False, sharding=None):
         if not gradients_lib.reduces_gradients(optimizer):
             raise ValueError(
                 "`optimizer` still sums gradients across replicas itself, so "
@@ -153,6 +155,7 @@ class TrainStep:
         self._options = options
         self._metrics = tuple(metrics)
         self._communication_options = communication_options
+        self._sharding = sharding
         self.reducer = reducer or communication.SynchronousReducer(
             strategy, communication_options=communication_options,
             allreduce_dtype=options.allreduce_dtype)
@@ -234,7 +237,10 @@ class TrainStep:
             scale = tf.cast(self._optimizer.scale_loss(tf.constant(1.0)),
                             tf.float32)
             grads, _ = gradients_lib.clip_by_global_norm(grads, clip * scale)
-        self._optimizer.apply(grads, self._variables)
+        if self._sharding is not None:
+            self._sharding.apply(grads)
+        else:
+            self._optimizer.apply(grads, self._variables)
         return loss + loss_so_far
 
     def __call__(self, iterator):

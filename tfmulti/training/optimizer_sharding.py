@@ -1,0 +1,322 @@
+"""Sharded optimizer state (ZeRO stage 1): each replica keeps the optimizer
+slots of 1/N of the parameters.
+
+The trainable variables are flattened into one vector, padded to a multiple
+of N and cut into N equal shards, so any layer sizes split evenly. Replica r
+owns shard r: a working copy of those parameters and a Keras optimizer built
+on that copy alone, both plain variables on replica r's device (created
+outside the strategy's variable creator, so they are neither mirrored nor
+sync-on-read). An update, in replica context, takes the REDUCED gradient,
+slices this replica's shard, applies the optimizer to it, all-gathers the N
+updated shards and writes the full parameters into the mirrored variables.
+
+This is exact for element-wise optimizers (Adam, AdamW, SGD with momentum,
+RMSprop, ...): a shard's update is the slice of the full update. The
+gradient is still all-reduced and then sliced (CPU has no reduce-scatter
+in the replica context), so stage 2 is not done here.
+
+The unsharded view (`unsharded_slots`, `assign_to`, `load_from`) maps the
+shards back to the slots of an ordinary optimizer built on the model's
+variables, so checkpoints keep the unsharded format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmulti import compat
+
+# Optimizers whose update of each element depends on that element's gradient,
+# parameter and slots only (plus scalars such as the step): a shard's update
+# is the slice of the full update.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
+               "Adamax", "Nadam", "Lion", "Ftrl")
+
+
+def check_shardable(optimizer) -> None:
+    """Raises ValueError, naming the optimizer, if its state cannot be sharded.
+
+    Args:
+      optimizer: a Keras 3 optimizer.
+    """
+    name = type(optimizer).__name__
+    cls = getattr(keras.optimizers, name, None)
+    if name not in ELEMENTWISE or type(optimizer) is not cls:
+        why = (" Adafactor factors the second moment over a weight's rows "
+               "and columns, which a flat shard does not have."
+               if name == "Adafactor" else "")
+        raise ValueError(
+            f"`optimizer` is {name}, whose state cannot be sharded: "
+            f"shard_optimizer_state supports the element-wise Keras "
+            f"optimizers {list(ELEMENTWISE)}.{why} Use one of those or "
+            "shard_optimizer_state=False.")
+    for attr, fix in (("clipnorm", "clip_global_norm"),
+                      ("global_clipnorm", "clip_global_norm"),
+                      ("use_ema", "no EMA"),
+                      ("gradient_accumulation_steps", "grad_accum_steps")):
+        value = getattr(optimizer, attr, None)
+        if value:
+            raise ValueError(
+                f"`optimizer` ({name}) has `{attr}`={value!r}, which a "
+                f"sharded update cannot reproduce (it would see one shard, "
+                f"not the whole model). Use {fix} instead, or "
+                "shard_optimizer_state=False.")
+    if (getattr(optimizer, "_exclude_from_weight_decay", None) or
+            getattr(optimizer, "_exclude_from_weight_decay_pattern", None)):
+        raise ValueError(
+            f"`optimizer` ({name}) excludes variables from weight decay by "
+            "name, and a flat shard has no variable names. Use "
+            "shard_optimizer_state=False with exclusions.")
+
+
+class FlatLayout:
+    """Where each variable's elements sit in the flat, padded vector.
+
+    Args:
+      shapes: the variables' shapes.
+      num_shards: N.
+    """
+
+    def __init__(self, shapes, num_shards: int):
+        self.shapes = [tf.TensorShape(s) for s in shapes]
+        self.sizes = [int(s.num_elements()) for s in self.shapes]
+        self.total = sum(self.sizes)
+        self.num_shards = int(num_shards)
+        self.shard_size = max(1, math.ceil(self.total / self.num_shards))
+        self.padded = self.shard_size * self.num_shards
+
+    def flatten(self, tensors):
+        """The tensors as one padded vector of length `padded`."""
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+        return tf.pad(flat, [[0, self.padded - self.total]])
+
+    def shard(self, flat, index: int):
+        """Shard `index` of a flat vector."""
+        start = index * self.shard_size
+        return flat[start:start + self.shard_size]
+
+    def unflatten(self, flat):
+        """The padded vector back as tensors of the variables' shapes."""
+        parts = tf.split(flat[:self.total], self.sizes)
+        return [tf.reshape(p, s) for p, s in zip(parts, self.shapes)]
+
+
+@contextlib.contextmanager
+def _device_local_variables():
+    # Under a strategy scope every tf.Variable becomes distributed; the
+    # shards must be plain variables on one device each.
+    def creator(next_creator, **kwargs):
+        del next_creator
+        return compat.plain_variable(**kwargs)
+    with tf.variable_creator_scope(creator):
+        yield
+
+
+def _tf_variable(variable):
+    # A Keras variable's TensorFlow (distributed) variable.
+    return (variable.value if isinstance(variable, keras.Variable)
+            else variable)
+
+
+def _canonical(device) -> str:
+    return tf.DeviceSpec.from_string(str(device)).to_string()
+
+
+def _static_replica_id(context) -> int:
+    value = tf.get_static_value(context.replica_id_in_sync_group)
+    if value is None:
+        raise RuntimeError(
+            "The replica id is not a constant in this strategy; "
+            "shard_optimizer_state needs MirroredStrategy or "
+            "MultiWorkerMirroredStrategy.")
+    return int(value)
+
+
+class ShardedOptimizer:
+    """A Keras optimizer whose state is split over the replicas (ZeRO-1).
+
+    Args:
+      strategy: MirroredStrategy or MultiWorkerMirroredStrategy holding the
+        variables.
+      optimizer: the Keras optimizer to shard (its config is cloned once per
+        local replica; the instance itself is not built or updated).
+      variables: the trainable variables, all of one floating dtype.
+
+    Raises:
+      ValueError: the optimizer cannot be sharded (see `check_shardable`), or
+        the variables mix dtypes.
+    """
+
+    def __init__(self, strategy, optimizer, variables):
+        check_shardable(optimizer)
+        self._strategy = strategy
+        self._variables = list(variables)
+        dtypes = {v.dtype for v in self._variables}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"`variables` mix dtypes {sorted(map(str, dtypes))}; "
+                "shard_optimizer_state flattens them into one vector. Keep "
+                "trainable variables in one dtype.")
+        self.dtype = dtypes.pop()
+        self.num_shards = strategy.num_replicas_in_sync
+        self.layout = FlatLayout([v.shape for v in self._variables],
+                                 self.num_shards)
+        self.devices = tuple(_canonical(d)
+                             for d in strategy.extended.worker_devices)
+        config = optimizer.get_config()
+        self.shards = []
+        self.optimizers = []
+        with _device_local_variables():
+            for i, device in enumerate(self.devices):
+                with tf.device(device):
+                    shard = keras.Variable(
+                        np.zeros([self.layout.shard_size],
+                                 dtype=np.dtype(self.dtype)),
+                        name=f"zero_shard_{i}")
+                    opt = type(optimizer).from_config(config)
+                    compat.make_optimizer_local(opt)
+                    opt.build([shard])
+                self.shards.append(shard)
+                self.optimizers.append(opt)
+        # Global shard index of each local replica, learnt when traced.
+        self._shard_index = {}
+
+    def _local(self, context):
+        local = self.devices.index(
+            _canonical(tf.nest.flatten(context.devices)[0]))
+        index = _static_replica_id(context)
+        self._shard_index[local] = index
+        return local, index
+
+    def apply(self, grads):
+        """Applies the reduced gradients; call in replica context.
+
+        Args:
+          grads: reduced (and clipped) gradients, one per variable, the same
+            on every replica.
+        """
+        context = tf.distribute.get_replica_context()
+        local, index = self._local(context)
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(grads, self._variables)]
+        shard = self.shards[local]
+        shard.assign(self.layout.shard(
+            self.layout.flatten([v.value for v in self._variables]), index))
+        self.optimizers[local].apply(
+            [self.layout.shard(self.layout.flatten(grads), index)], [shard])
+        gathered = context.all_gather(shard.value, axis=0)
+        values = self.layout.unflatten(gathered)
+
+        def assign(strategy, values):
+            for var, value in zip(self._variables, values):
+                strategy.extended.update(
+                    _tf_variable(var), lambda v, x: v.assign(x),
+                    args=(value,), group=False)
+        context.merge_call(assign, args=(values,))
+
+    # --- the unsharded view ------------------------------------------------
+
+    def _scalar_names(self):
+        # The shard optimizers' variables not built from the shard (the
+        # step, the learning rate, Nadam's u_product) are shared scalars.
+        prefix = self.shards[0].name + "_"
+        return {v.name for v in self.optimizers[0].variables
+                if not v.name.startswith(prefix)}
+
+    def _scalars(self, optimizer):
+        names = self._scalar_names()
+        return [v for v in optimizer.variables if v.name in names]
+
+    def _kinds(self):
+        # The slot names of the shard optimizers ("momentum", "velocity").
+        prefix = self.shards[0].name + "_"
+        return [v.name[len(prefix):] for v in self.optimizers[0].variables
+                if v.name.startswith(prefix)]
+
+    def _local_slots(self, local):
+        names = {v.name: v for v in self.optimizers[local].variables}
+        return [names[f"{self.shards[local].name}_{k}"] for k in self._kinds()]
+
+    def _full_slots(self, optimizer):
+        # Keras names a slot "<variable path with _>_<kind>"; the
+        # optimizer's variables correspond to ours by position.
+        names = {v.name: v for v in optimizer.variables}
+        built_on = compat.optimizer_built_variables(optimizer)
+        if [tuple(v.shape) for v in built_on] != [
+                tuple(v.shape) for v in self._variables]:
+            raise ValueError(
+                f"`optimizer` ({type(optimizer).__name__}) is built on "
+                f"{len(built_on)} variables of other shapes than the "
+                f"{len(self._variables)} sharded ones; build it with "
+                "optimizer.build(model.trainable_variables).")
+        out = []
+        for kind in self._kinds():
+            try:
+                out.append([names[f"{v.path.replace('/', '_')}_{kind}"]
+                            for v in built_on])
+            except KeyError as e:
+                raise ValueError(
+                    f"`optimizer` ({type(optimizer).__name__}) has no slot "
+                    f"{e} : build it on the same variables as the sharded "
+                    "one (optimizer.build(model.trainable_variables)).") from e
+        return out
+
+    def gathered_slots(self):
+        """Each slot kind as the full flat vector, gathered from all shards
+        (call in cross-replica context; collective under multi-worker)."""
+        def gather():
+            context = tf.distribute.get_replica_context()
+            local, _ = self._local(context)
+            return [context.all_gather(slot.value, axis=0)
+                    for slot in self._local_slots(local)]
+        per_replica = self._strategy.run(tf.function(gather))
+        return [self._strategy.experimental_local_results(p)[0]
+                for p in per_replica]
+
+    def assign_to(self, optimizer):
+        """Writes the sharded state into `optimizer` (the same class, built on
+        the model's variables), the unsharded form a checkpoint saves."""
+        full = self._full_slots(optimizer)
+        flats = self.gathered_slots()
+        for kind, flat in zip(full, flats):
+            for slot, value in zip(kind, self.layout.unflatten(flat)):
+                slot.assign(value)
+        for mine, theirs in zip(self._scalars(self.optimizers[0]),
+                                self._scalars(optimizer)):
+            theirs.assign(mine.value)
+
+    def load_from(self, optimizer):
+        """Reads the state of `optimizer` (unsharded, built on the model's
+        variables; e.g. restored from a checkpoint) into the shards."""
+        full = self._full_slots(optimizer)
+        flats = [self.layout.flatten([s.value for s in kind]) for kind in full]
+        scalars = [v.value for v in self._scalars(optimizer)]
+        for local, opt in enumerate(self.optimizers):
+            index = self._shard_index.get(local, self._first_index() + local)
+            for slot, flat in zip(self._local_slots(local), flats):
+                slot.assign(self.layout.shard(flat, index))
+            for mine, value in zip(self._scalars(opt), scalars):
+                mine.assign(value)
+
+    def _first_index(self):
+        resolver = getattr(self._strategy, "cluster_resolver", None)
+        task = getattr(resolver, "task_id", None) or 0
+        return task * len(self.devices)
+
+    def state_bytes_per_device(self):
+        """Bytes of optimizer state (slots and scalars) on each device, read
+        from where the variables were placed."""
+        out = {}
+        for opt in self.optimizers:
+            for v in opt.variables:
+                device = v.value.device
+                out[device] = out.get(device, 0) + (
+                    int(v.shape.num_elements() if hasattr(
+                        v.shape, "num_elements") else np.prod(v.shape)) *
+                    tf.as_dtype(v.dtype).size)
+        return out
