@@ -162,3 +162,24 @@ def test_multi_worker_balanced_equals_one_device(local, tmp_path):
             workers[1][layout]["adam"]["shares"])
     assert workers[0]["multi_worker:[3, 1]"]["adam"]["shares"][0] == [
         0.75, 0.25]
+
+
+def test_recipe_balance_flag_reaches_metrics_json(tmp_path, shapes_data_dir):
+    run_python(["-m", "recipes.custom_loop", "--strategy=mirrored",
+                "--cpu_replicas=2", "--balance=3,1",
+                f"--model_dir={tmp_path / 'run'}",
+                f"--data_dir={shapes_data_dir}", "--global_batch_size=32",
+                "--steps=4", "--steps_per_loop=2"], timeout=300)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [loop["counts"] for loop in metrics["balance"]] == [[24, 8]] * 2
+    assert all(0 <= loop["idle_fraction"] < 1 for loop in metrics["balance"])
+    assert metrics["config"]["balance"] == "3,1"
+
+
+def test_recipe_balance_flag_errors(tmp_path):
+    code, out = run_python(["-m", "recipes.custom_loop", "--balance=3,x",
+                            f"--model_dir={tmp_path / 'run'}"],
+                           timeout=120, check=False)
+    assert code != 0
+    assert "`--balance` should be 'none', 'auto' or comma-separated" in out
+    assert "'3,x'" in out

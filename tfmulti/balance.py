@@ -190,3 +190,26 @@ class SharePolicy:
         changed = counts != self.counts
         self.counts = counts
         return changed
+
+
+def from_flag(text: str | None):
+    """`--balance` to `balance`: "none" or "" -> None, "auto", or
+    comma-separated weights ("3,1") -> a list of floats.
+
+    Raises:
+      ValueError: anything else, naming the flag.
+    """
+    if text is None or text in ("", "none"):
+        return None
+    if text == AUTO:
+        return AUTO
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        weights = []
+    if not weights or not all(_is_number(w) and w > 0 for w in weights):
+        raise ValueError(
+            f"`--balance` should be 'none', 'auto' or comma-separated "
+            f"positive weights (one per replica or per worker, e.g. 3,1), "
+            f"got {text!r}.")
+    return weights

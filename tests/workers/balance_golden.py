@@ -27,21 +27,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-BATCH = 32
+from golden_data import (  # noqa: E402
+    BATCH, X, X_EVAL, Y, Y_EVAL, padded_eval_dataset)
+
 STEPS = 20
-rng = np.random.default_rng(0)
-X = rng.normal(size=(512, 8)).astype("float32")
-Y = rng.integers(0, 3, size=(512,)).astype("int32")
-X_EVAL, Y_EVAL = X[:100], Y[:100]
-
-
-def padded_eval_dataset():
-    pad = -len(X_EVAL) % BATCH
-    x = np.concatenate([X_EVAL, np.zeros((pad, 8), "float32")])
-    y = np.concatenate([Y_EVAL, np.zeros((pad,), "int32")])
-    w = np.concatenate([np.ones(len(X_EVAL), "float32"),
-                        np.zeros(pad, "float32")])
-    return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
 
 # case -> (optimizer factory, Trainer keyword arguments, mixed precision)
 CASES = {
