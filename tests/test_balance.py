@@ -183,3 +183,29 @@ def test_recipe_balance_flag_errors(tmp_path):
     assert code != 0
     assert "`--balance` should be 'none', 'auto' or comma-separated" in out
     assert "'3,x'" in out
+
+
+def test_balanced_data_and_options_errors():
+    import tensorflow as tf
+    from tfmulti.training import balancing
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    balancer = balancing.Balancer(strategy, [1.0])
+    rows = tf.data.Dataset.from_tensor_slices((tf.zeros([8, 2]),
+                                               tf.zeros([8])))
+    with pytest.raises(ValueError, match="one static size"):
+        balancer.iterator(rows.batch(3))
+    with pytest.raises(ValueError, match="`global_batch_size` is 8 but"):
+        balancer.iterator(rows.batch(4, drop_remainder=True),
+                          global_batch_size=8)
+    with pytest.raises(ValueError, match="pass `global_batch_size` too"):
+        balancer.iterator(lambda context: rows)
+    with pytest.raises(ValueError, match="got list.*cannot be re-split"):
+        balancer.iterator([rows])
+    with pytest.raises(ValueError, match="`balance`='auto' is not supported"
+                       ".*jit_compile"):
+        balancing.for_trainer(strategy, "auto", pipelined=False,
+                              asynchronous=False, jit_compile=True)
+    # One replica takes the whole global batch.
+    iterator = balancer.iterator(rows.batch(4, drop_remainder=True))
+    x, y = next(iterator)
+    assert x.shape == (4, 2) and iterator.global_batch_size == 4

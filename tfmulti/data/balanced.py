@@ -47,7 +47,8 @@ def global_batches(dataset_fn, *, global_batch_size: int, seed: int | None
             shuffle_buffer=shuffle_buffer, map_fn=map_fn, cache=cache))
 
 
-def _batch_size(dataset) -> int | None:
+def static_batch_size(dataset) -> int | None:
+    """The one static batch size of `dataset`'s elements, else None."""
     shapes = [s.shape for s in tf.nest.flatten(dataset.element_spec)]
     sizes = {s[0] if s.rank else None for s in shapes}
     return sizes.pop() if len(sizes) == 1 else None
@@ -70,7 +71,7 @@ class BalancedIterator:
     """
 
     def __init__(self, strategy, dataset: tf.data.Dataset, counts):
-        size = _batch_size(dataset)
+        size = static_batch_size(dataset)
         if size is None:
             raise ValueError(
                 "Balanced training needs global batches of one static size, "

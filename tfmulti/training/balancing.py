@@ -60,12 +60,10 @@ class Balancer:
                 f"with `global_batch_size`; got {type(data).__name__}. A "
                 "distributed dataset is already split evenly and cannot be "
                 "re-split.")
-        size = balanced_lib._batch_size(data)
+        size = balanced_lib.static_batch_size(data)
         if size is None:
-            raise ValueError(
-                "With `balance`, the global batches need one static size, "
-                f"got element_spec {data.element_spec!r}. Batch with "
-                "drop_remainder=True.")
+            # BalancedIterator names the problem.
+            return balanced_lib.BalancedIterator(self._strategy, data, None)
         if global_batch_size is not None and global_batch_size != size:
             raise ValueError(
                 f"`global_batch_size` is {global_batch_size} but the "
