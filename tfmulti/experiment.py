@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Any
 
+from tfmulti import balance as balance_lib
 from tfmulti import rundir
 
 DEFAULT_DATASET = "tfmulti_shapes"
@@ -94,6 +95,8 @@ class ExperimentConfig:
     # asynchronous Trainer's warm-up).
     powersgd_start_iter: int | None = None
     async_warmup_steps: int | None = None
+    # None, "auto" or comma-separated weights ("3,1"): `Trainer(balance=)`.
+    balance: str | None = None
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -123,6 +126,10 @@ class ExperimentConfig:
                               "checkpoints, events and metrics.json, or "
                               "leave it out for a new one under ./runs.",
                               flag="model_dir")
+        try:
+            balance_lib.from_flag(self.balance)
+        except ValueError as e:
+            raise ConfigError(str(e), flag="balance") from None
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"`compression` is {self.compression!r}; valid "
                               f"values are {list(COMPRESSIONS)}.",
@@ -447,6 +454,11 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     info, train, test = input_data(config, strategy)
     image_key, label_key = info.supervised_keys
     num_classes = info.features[label_key].num_classes
+    if config.balance and loop != "trainer":
+        raise ConfigError(
+            f"`balance`={config.balance!r} is an option of the custom loop "
+            "(recipes.custom_loop); Keras fit does not re-split batches yet.",
+            flag="balance")
     if parameter_server.is_parameter_server(strategy) and loop != "trainer":
         raise ValueError(
             "Keras `model.fit` does not run under ParameterServerStrategy "
@@ -498,6 +510,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 steps_per_loop=config.steps_per_loop,
                 mixed_precision=config.mixed_precision,
                 model_dir=model_dir, sync=sync, compression=compression,
+                balance=balance_lib.from_flag(config.balance),
                 **({"async_warmup_steps": config.async_warmup_steps}
                    if config.async_warmup_steps is not None else {}))
             history = trainer.fit(train, steps=total_steps, eval_data=test,
@@ -564,6 +577,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         "model_dir": model_dir,
         # This worker's gradient / parameter all-reduces, as issued.
         "communication": traffic,
+        **({"balance": trainer.balance_history} if config.balance else {}),
         "config": _identity(config, loop),
         "versions": versions,
     }
@@ -644,6 +658,9 @@ def input_data(config: ExperimentConfig, strategy):
     test = data.distribute_dataset(
         strategy, test_fn, global_batch_size=config.global_batch_size,
         training=False)
+    if config.balance:
+        # The Trainer cuts each global batch of train_fn by the shares.
+        return info, train_fn, test
     return info, train, test
 
 

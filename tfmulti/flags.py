@@ -134,6 +134,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "momentum (DiLoCo: 0.9, with outer lr 0.7).", **fv)
     flags.DEFINE_enum("compression", "none", list(experiment.COMPRESSIONS),
                       "Gradient compression: PowerSGD or none.", **fv)
+    flags.DEFINE_string("balance", "none", "Shares of the global batch per "
+                        "replica: none (even), auto (follow each replica's "
+                        "measured speed) or weights per replica or worker, "
+                        "e.g. 3,1 (custom loop only).", **fv)
     flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD rank.",
                          lower_bound=1, **fv)
     flags.DEFINE_integer("powersgd_start_iter", None, "PowerSGD: dense "
@@ -174,7 +178,8 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         outer_momentum=f.outer_momentum, compression=f.compression,
         powersgd_rank=f.powersgd_rank,
         powersgd_start_iter=f.powersgd_start_iter,
-        async_warmup_steps=f.async_warmup_steps)
+        async_warmup_steps=f.async_warmup_steps,
+        balance=None if f.balance == "none" else f.balance)
 
 
 def _usage_error(message: str, flag: str | None = None,

@@ -25,35 +25,21 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 layouts = golden_layouts(MODE, (4,))
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-BATCH = 32
+from golden_data import (  # noqa: E402
+    BATCH, X, X_EVAL, Y, Y_EVAL, padded_eval_dataset)
+
 SPE = 8
 # 12 steps an epoch with 8 steps per call: every epoch ends with a call of
 # 4 steps, which Keras announces as steps 8..15.
 STEPS_PER_EPOCH = 12
 EPOCHS = 2
-rng = np.random.default_rng(0)
-X = rng.normal(size=(512, 8)).astype("float32")
-Y = rng.integers(0, 3, size=(512,)).astype("int32")
-X_EVAL, Y_EVAL = X[:100], Y[:100]
 
 
 def train_dataset(batch):
     return tf.data.Dataset.from_tensor_slices((X, Y)).batch(
         batch, drop_remainder=True).repeat()
-
-
-def padded_eval_dataset():
-    # What the data layer's exact-once eval mode yields: the last global
-    # batch padded with weight-0 rows.
-    pad = -len(X_EVAL) % BATCH
-    x = np.concatenate([X_EVAL, np.zeros((pad, 8), "float32")])
-    y = np.concatenate([Y_EVAL, np.zeros((pad,), "int32")])
-    w = np.concatenate([np.ones(len(X_EVAL), "float32"),
-                        np.zeros(pad, "float32")])
-    return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
 
 
 def sgd():

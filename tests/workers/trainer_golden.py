@@ -30,23 +30,10 @@ import tensorflow as tf  # noqa: E402
 
 from tfmulti.bench import communication  # noqa: E402
 
-BATCH = 32
+from golden_data import (  # noqa: E402
+    BATCH, X, X_EVAL, Y, Y_EVAL, padded_eval_dataset)
+
 STEPS = 8
-rng = np.random.default_rng(0)
-X = rng.normal(size=(512, 8)).astype("float32")
-Y = rng.integers(0, 3, size=(512,)).astype("int32")
-# 100 eval examples in global batches of 32, the last one padded with
-# weight-0 rows: what the data layer's exact-once eval mode yields.
-X_EVAL, Y_EVAL = X[:100], Y[:100]
-
-
-def padded_eval_dataset():
-    pad = -len(X_EVAL) % BATCH
-    x = np.concatenate([X_EVAL, np.zeros((pad, 8), "float32")])
-    y = np.concatenate([Y_EVAL, np.zeros((pad,), "int32")])
-    w = np.concatenate([np.ones(len(X_EVAL), "float32"),
-                        np.zeros(pad, "float32")])
-    return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
 
 
 # case -> (optimizer factory, Trainer keyword arguments, regularised model)

@@ -52,6 +52,9 @@ MODES = {
         "recipes": {"steps": None, "seeds": (0, 1, 2, 3, 4),
                     "rows": ("sync", "parameter_server", "powersgd_r4",
                              "local_sgd_h8", "pipeline")},
+        # 2 workers, one slowed by a competing process: even vs "auto".
+        "balance": {"steps": 200, "steps_per_loop": 10,
+                    "global_batch_size": 256, "width": 256},
     },
     "quick": {
         "replicas": (1, 4),
@@ -89,7 +92,7 @@ MODES = {
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "accumulation_memory", "soak", "pipeline_bubble",
-              "communication_reduction", "recipes")
+              "communication_reduction", "recipes", "balance")
 
 
 def _kill(proc):
@@ -311,12 +314,20 @@ def _recipes(mode, timeout):
         timeout=max(timeout, 1800))
 
 
+def _balance(mode, timeout):
+    # Full runs only (`--only balance`): minutes on 2 shared cores.
+    if "balance" not in mode:
+        return None
+    from tfmulti.bench import balance
+    return balance.run(_run_part, mode["balance"], timeout)
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
            "pipeline_bubble": _pipeline_bubble,
            "communication_reduction": _communication_reduction,
-           "recipes": _recipes}
+           "recipes": _recipes, "balance": _balance}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -360,7 +371,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                "communication": None, "accumulation_memory": None,
                "soak": None, "pipeline_bubble": None,
                "communication_reduction": None, "recipes": None,
-               "errors": {},
+               "balance": None, "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):

@@ -60,6 +60,11 @@ def _communication_reduction(**kwargs):
     return communication_reduction.worker_main(**kwargs)
 
 
+def _balance(**kwargs):
+    from tfmulti.bench import balance
+    return balance.worker_main(**kwargs)
+
+
 PARTS = {
     "step_overhead": _step_overhead,
     "step_overhead_layouts": _step_overhead_layouts,
@@ -69,6 +74,7 @@ PARTS = {
     "soak": _soak,
     "pipeline_bubble": _pipeline_bubble,
     "communication_reduction": _communication_reduction,
+    "balance": _balance,
 }
 
 

@@ -134,12 +134,14 @@ class TrainStep:
         (the all-reduce and the update stay outside; see `xla.py`).
       sharding: an `optimizer_sharding.ShardedOptimizer` that applies the
         reduced, clipped gradients in place of `optimizer` (ZeRO-1).
+      timer: a `replica_timing.ReplicaTimer` that sums each replica's
+        forward and backward seconds (load balancing), or None.
     """
 
     def __init__(self, strategy, model, optimizer, compute_loss, *,
                  options: GradientOptions = GradientOptions(), metrics=(),
                  communication_options=None, reducer=None,
-                 jit_compile: bool = False, sharding=None):
+                 jit_compile: bool = False, sharding=None, timer=None):
         if not gradients_lib.reduces_gradients(optimizer):
             raise ValueError(
                 "`optimizer` still sums gradients across replicas itself, so "
@@ -161,6 +163,7 @@ class TrainStep:
             allreduce_dtype=options.allreduce_dtype)
         self._variables = list(model.trainable_variables)
         self.jit_compile = bool(jit_compile)
+        self._timer = timer
         self._replica_gradients = (
             xla_lib.PerReplicaCompiled(self._local_gradients)
             if self.jit_compile else self._local_gradients)
@@ -201,6 +204,8 @@ class TrainStep:
 
     def _local_gradients(self, batch, global_batch=None):
         x, y, sample_weight = unpack_batch(batch)
+        if self._timer is not None:
+            x = self._timer.start(x)
         kwargs = ({"global_batch": global_batch}
                   if self._takes_global_batch else {})
         with tf.GradientTape() as tape:
@@ -210,6 +215,8 @@ class TrainStep:
             # optimizer divides it out again in `apply`.
             scaled = self._optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, self._variables)
+        if self._timer is not None:
+            grads = self._timer.stop(grads, x)
         for metric in self._metrics:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
         return loss, grads

@@ -22,6 +22,7 @@ from tfmulti import watchdog
 from tfmulti.data import finiteness
 from tfmulti.training import actions as actions_lib
 from tfmulti.training import agreement
+from tfmulti.training import balancing
 from tfmulti.training import async_trainer
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
@@ -183,6 +184,10 @@ class Trainer:
         asynchronous updates are scaled by k/W (a linear warm-up of the
         learning rate on top of the optimizer's own); None: 100
         (`async_trainer.DEFAULT_WARMUP_STEPS`); 0: none.
+      balance: None (an even split), "auto" (each replica's share of the
+        global batch follows its measured speed, updated between loops) or
+        a list of weights, one per replica or per worker (fixed shares);
+        the updates are those of the even split (`tfmulti.balance`).
     """
 
     def __init__(self, model, optimizer=None, *, loss=None, strategy=None,
@@ -190,7 +195,7 @@ class Trainer:
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
                  on_nonfinite="raise", sync=None, compression=None,
-                 jit_compile=False, async_warmup_steps=None):
+                 jit_compile=False, async_warmup_steps=None, balance=None):
         from tfmulti.pipeline import trainer_adapter
         # A PipelinedModel brings its own step; the rest of fit is shared.
         self._pipeline = trainer_adapter.TrainerAdapter(
@@ -275,11 +280,23 @@ class Trainer:
         # Under ParameterServerStrategy fit and evaluate are asynchronous.
         self._async = async_trainer.AsyncTraining(self) if (
             parameter_server.is_parameter_server(self.strategy)) else None
+        self._balancer = balancing.for_trainer(
+            self.strategy, balance, pipelined=self._pipeline is not None,
+            asynchronous=self._async is not None,
+            jit_compile=self._jit_compile)
 
     @property
     def step(self) -> int:
         """Optimizer updates made so far (restored with a checkpoint)."""
         return self._steps_done
+
+    @property
+    def balance_history(self) -> list[dict] | None:
+        """With `balance`: per loop of the last `fit`, the step, each
+        replica's example count and compute seconds per step, and the
+        barrier idle fraction; else None."""
+        return None if self._balancer is None else list(
+            self._balancer.shares_history)
 
     @property
     def communication(self) -> dict:
@@ -335,7 +352,8 @@ class Trainer:
                 options=self._options, metrics=self.metrics,
                 communication_options=strategies.communication_options(
                     self.strategy), reducer=self._reducer,
-                jit_compile=self._jit_compile)
+                jit_compile=self._jit_compile,
+                timer=self._balancer and self._balancer.timer)
             self._loops[global_batch_size] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy, metrics=self.metrics,
                 before=[self._weight_check.record] if (
@@ -388,6 +406,11 @@ class Trainer:
     def _iterator_for(self, train_data, global_batch_size):
         if train_data is self._source:
             return self._iterator, self._source_batch
+        if self._balancer is not None:
+            iterator = self._balancer.iterator(train_data, global_batch_size)
+            self._source, self._iterator, self._source_batch = (
+                train_data, iterator, iterator.global_batch_size)
+            return iterator, iterator.global_batch_size
         if not callable(train_data):  # a dataset_fn is batched for us
             data_checks.check_batched(getattr(train_data, "element_spec",
                                               None))
@@ -585,14 +608,16 @@ class Trainer:
                 skips_in_a_row[0], step=start + n, optimizer=self.optimizer)
             self._steps_done = start + n
             logs = {"loss": float(losses.mean()),
-                    **{k: float(v) for k, v in metrics.items()}}
+                    **{k: float(v) for k, v in metrics.items()},
+                    **(self._balancer.after_loop(start + n)
+                       if self._balancer else {})}
             history["step"].append(start + n)
             history["step_loss"].extend(losses.tolist())
             logs_and_speed = {
                 **logs, "steps_per_sec": n / elapsed,
                 "examples_per_sec": n * examples_per_step / elapsed}
             for key, value in logs_and_speed.items():
-                history[key].append(value)
+                history.setdefault(key, []).append(value)
             if skipped:
                 self._print(f"skipped non-finite update(s) {skipped}")
             callback_list.on_train_batch_end(start + n - 1, logs)
