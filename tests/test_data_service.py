@@ -10,6 +10,7 @@ within its bound.
 """
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -112,3 +113,22 @@ def test_two_workers_through_service(service, tmp_path):
     error = results[0]["element_sharding_error"]
     assert "`service`='grpc://127.0.0.1:" in error
     assert "files_dataset_fn" in error and "2 input pipelines" in error
+
+
+@pytest.mark.slow
+def test_launch_data_workers(tmp_path):
+    """`tfmulti-launch --data_workers 2` starts a dispatcher and 2 data
+    workers, the job reads through them by `TFMULTI_DATA_SERVICE`, and
+    all of them are gone when the launcher returns."""
+    out = tmp_path / "child.json"
+    _, output = run_python(
+        ["-m", "tfmulti.launch", "--workers", "1", "--data_workers", "2",
+         "--timeout", "400", "--", sys.executable,
+         "tests/workers/data_service_launch_child.py", str(out)],
+        timeout=450)
+    result = json.loads(out.read_text())
+    assert sorted(result["ids"]) == list(range(300))
+    assert f"dispatcher at {result['address']}" in output
+    host, port = result["address"].rsplit(":", 1)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=5).close()

@@ -29,8 +29,9 @@ import time
 # The dispatcher's address, `host:port` or `grpc://host:port`, for jobs that
 # do not pass `service=` (tfmulti-launch --data_workers sets it).
 ENV_VAR = "TFMULTI_DATA_SERVICE"
-# How long a training process waits for the dispatcher's port at start.
-CONNECT_TIMEOUT_SECONDS = 20.0
+# How long a training process waits for the dispatcher's port at start
+# (tfmulti-launch starts both at once; importing TF took 20 s at load 25).
+CONNECT_TIMEOUT_SECONDS = 60.0
 _ADDRESS = re.compile(r"^(?:grpc://)?(\[[0-9a-fA-F:]+\]|[\w.-]+):(\d{1,5})$")
 
 
