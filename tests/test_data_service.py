@@ -132,3 +132,4 @@ def test_launch_data_workers(tmp_path):
     host, port = result["address"].rsplit(":", 1)
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=5).close()
+

@@ -385,6 +385,10 @@ def build_pipeline(dataset_fn: Callable, input_context:
         # Repeating outside the service gives each epoch its own job, so
         # DYNAMIC sharding's "at most once" holds per epoch.
         dataset = service_lib.distribute(dataset, options.service)
+        if sizes is not None:
+            dataset = service_lib.count_delivered(
+                dataset, expected=sizes[pipeline_id],
+                pipeline_id=pipeline_id, training=options.training)
         if options.training and sizes is not None:
             dataset = dataset.repeat()
     if not options.training:
