@@ -66,6 +66,7 @@ class ExperimentConfig:
     allreduce_dtype: str | None = None
     dataset: str = DEFAULT_DATASET
     data_dir: str | None = None
+    data_service: str | None = None  # tf.data service dispatcher host:port
     global_batch_size: int = 128
     epochs: int = 3
     steps: int | None = None
@@ -654,10 +655,10 @@ def input_data(config: ExperimentConfig, strategy):
         return info, train_fn, test
     train = data.distribute_dataset(
         strategy, train_fn, global_batch_size=config.global_batch_size,
-        seed=config.seed)
+        seed=config.seed, service=config.data_service)
     test = data.distribute_dataset(
         strategy, test_fn, global_batch_size=config.global_batch_size,
-        training=False)
+        training=False, service=config.data_service)
     if config.balance:
         # The Trainer cuts each global batch of train_fn by the shares.
         return info, train_fn, test

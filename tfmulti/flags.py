@@ -74,6 +74,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                         "generated offline on first use.", **fv)
     flags.DEFINE_string("data_dir", None, "TFDS data dir (default: "
                         "$TFDS_DATA_DIR, else ~/tensorflow_datasets).", **fv)
+    flags.DEFINE_string("data_service", None, "tf.data service dispatcher "
+                        "host:port: preprocessing on its data workers "
+                        "(default: $TFMULTI_DATA_SERVICE, else local).", **fv)
     flags.DEFINE_integer("global_batch_size", 128, "Examples per step over "
                          "all replicas.", lower_bound=1, **fv)
     flags.DEFINE_integer("epochs", 3, "Passes over the training split.",
@@ -160,7 +163,7 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         pack_bytes=f.pack_bytes, startup_timeout=f.startup_timeout,
         allreduce_dtype=None if f.allreduce_dtype == "float32"
         else f.allreduce_dtype,
-        dataset=f.dataset, data_dir=f.data_dir,
+        dataset=f.dataset, data_dir=f.data_dir, data_service=f.data_service,
         global_batch_size=f.global_batch_size, epochs=f.epochs,
         steps=f.steps, learning_rate=f.learning_rate,
         base_batch_size=f.base_batch_size,

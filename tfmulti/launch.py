@@ -42,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -96,6 +97,10 @@ class LaunchOptions:
       host: the address the workers listen on.
       grace_seconds: how long a worker has to exit after SIGTERM.
       ps: parameter servers; with any, a chief is started too.
+      data_workers: tf.data service data workers; with any, a dispatcher
+        (fault tolerant, its journal in a temporary work directory) and
+        these workers run on `host` for the whole launch, and every worker
+        gets its address in `TFMULTI_DATA_SERVICE`.
     """
 
     workers: int
@@ -104,8 +109,13 @@ class LaunchOptions:
     host: str = "127.0.0.1"
     grace_seconds: float = _GRACE_SECONDS
     ps: int = 0
+    data_workers: int = 0
 
     def __post_init__(self):
+        if isinstance(self.data_workers, bool) or not isinstance(
+                self.data_workers, int) or self.data_workers < 0:
+            raise ValueError(f"`--data_workers` should be an integer >= 0, "
+                             f"got {self.data_workers!r}.")
         if isinstance(self.ps, bool) or not isinstance(
                 self.ps, int) or self.ps < 0:
             raise ValueError(f"`--ps` should be an integer >= 0, got "
@@ -267,6 +277,54 @@ class _Reaper:
         self._proc.wait()
 
 
+class _DataService:
+    """A tf.data service dispatcher and data workers (`python -m
+    tfmulti.data.service`), one process each, for the whole launch: a
+    restarted training group finds them, and their jobs, where they were."""
+
+    _SERVICE_ENV = "TFMULTI_DATA_SERVICE"  # tfmulti.data.service.ENV_VAR
+
+    def __init__(self, options, reaper):
+        self.work_dir = tempfile.mkdtemp(prefix="tfmulti-data-service-")
+        with socket.socket() as probe:
+            probe.bind((options.host, 0))
+            port = probe.getsockname()[1]
+        self.address = f"{options.host}:{port}"
+        module = [sys.executable, "-u", "-m", "tfmulti.data.service"]
+        commands = [(module + ["dispatcher", f"--port={port}",
+                               f"--work_dir={self.work_dir}"], "dispatcher")]
+        commands += [(module + ["worker", f"--dispatcher={self.address}"],
+                      f"d{i}") for i in range(options.data_workers)]
+        self.procs = []
+        for argv, name in commands:
+            proc = subprocess.Popen(
+                argv, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get(
+                    "TF_CPP_MIN_LOG_LEVEL", "2")),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            reaper.watch(proc.pid)
+            self.procs.append(proc)
+            threading.Thread(target=_relay, args=(
+                proc, name, True, collections.deque(maxlen=_TAIL_LINES),
+                lambda: None), daemon=True).start()
+        _say(f"tf.data service: dispatcher at {self.address} (journal "
+             f"{self.work_dir}), {options.data_workers} data worker(s); "
+             f"{self._SERVICE_ENV}={self.address}")
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
 def _relay(proc, index, quiet, tail, on_joined):
     prefix = (f"[w{index}] " if isinstance(index, int) else
               f"[{index}] ").encode()
@@ -353,7 +411,11 @@ def launch(command: list[str], options: LaunchOptions, *,
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGINT, signal.SIGTERM)}
     reaper = _Reaper(options.grace_seconds)
+    service = None
     try:
+        if options.data_workers:
+            service = _DataService(options, reaper)
+            os.environ[_DataService._SERVICE_ENV] = service.address
         for attempt in range(options.max_restarts + 1):
             group = _Group(command, options, attempt, reaper)
             grace = min(options.grace_seconds, _FAILURE_GRACE_SECONDS)
@@ -413,6 +475,8 @@ def launch(command: list[str], options: LaunchOptions, *,
                 return code if code > 0 else 128 - code
         raise AssertionError("unreachable")
     finally:
+        if service is not None:
+            service.stop()
         reaper.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -477,6 +541,12 @@ def _parser():
                         help="parameter servers: run a ParameterServer"
                         "Strategy job (a chief, N workers, P ps; default: "
                         "%(default)s)")
+    parser.add_argument("--data_workers", type=int, default=0,
+                        help="tf.data service data workers: also start a "
+                        "dispatcher (journal in a temporary directory) and "
+                        "N data workers, pass TFMULTI_DATA_SERVICE to the "
+                        "workers, stop them at the end (default: "
+                        "%(default)s)")
     return parser
 
 
@@ -496,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         options = LaunchOptions(workers=args.workers,
                                 max_restarts=args.max_restarts,
                                 timeout=args.timeout, host=args.host,
-                                ps=args.ps)
+                                ps=args.ps, data_workers=args.data_workers)
     except ValueError as e:
         parser.error(str(e))
     # One id for every worker and restart: a recipe's default run directory

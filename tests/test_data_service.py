@@ -1,0 +1,135 @@
+"""tf.data service input: real dispatcher and data workers on loopback.
+
+One `python -m tfmulti.data.service local --workers 2` process serves the
+module. Through it, on 4 mirrored replicas and on 2 worker processes:
+evaluation sees every id exactly once and Keras's weighted metrics equal one
+device (a plain dataset_fn on 4 replicas, record files sharded by file on 2
+workers); two training epochs each see every element exactly once (no
+faults); an address where nothing listens is a ConnectionError naming it,
+within its bound.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.subproc import run_python, run_workers
+
+WORKER = "tests/workers/data_service_worker.py"
+TOLERANCE = 1e-6
+
+
+def start_service(*args, lines=1, timeout=120):
+    """Starts `python -m tfmulti.data.service ARGS`; returns (proc, the
+    addresses it printed, in order)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfmulti.data.service", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    addresses, deadline = [], time.monotonic() + timeout
+    while len(addresses) < lines:
+        line = proc.stdout.readline()
+        if not line or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"data service {args} did not start")
+        if line.startswith("tfmulti: data service"):
+            addresses.append(line.split(" at ")[-1].strip())
+    return proc, addresses
+
+
+def stop_service(proc):
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def service():
+    proc, addresses = start_service("local", "--workers", "2", lines=3)
+    yield addresses[0]
+    stop_service(proc)
+
+
+def _check_eval(result):
+    # Every id exactly once, whatever data worker produced it.
+    assert sorted(result["eval_ids"]) == list(range(1001))
+    for key in ("accuracy", "xent"):
+        assert result["evaluate"][key] == pytest.approx(
+            result["golden"][key], abs=TOLERANCE, rel=TOLERANCE)
+    assert 0.02 < result["golden"]["accuracy"] < 0.95
+
+
+def _check_unreachable(result):
+    address = f"grpc://127.0.0.1:{result['closed_port']}"
+    assert f"`{address}`" in result["unreachable"]
+    assert "--data_workers" in result["unreachable"]
+    # Bounded: 2 s of waiting plus one connect attempt, not TF's retries.
+    assert result["unreachable_seconds"] < 10
+
+
+@pytest.mark.slow
+def test_four_replicas_through_service(service, tmp_path):
+    out = tmp_path / "mirrored.json"
+    run_python([WORKER, str(out), "mirrored4", service], timeout=300)
+    result = json.loads(out.read_text())
+    assert result["replicas"] == 4
+    # 1001 / 48 -> 21 steps, the last one partly padding.
+    assert result["eval_steps"] == 21
+    _check_eval(result)
+    for seen in result["train_ids"]:
+        assert sorted(seen) == list(range(96))
+    assert result["fit_loss"] > 0
+    _check_unreachable(result)
+
+
+@pytest.mark.slow
+def test_two_workers_through_service(service, tmp_path):
+    run_workers([WORKER, str(tmp_path / "worker{index}.json"),
+                 "multi_worker", service], 2, timeout=300)
+    results = [json.loads((tmp_path / f"worker{i}.json").read_text())
+               for i in range(2)]
+    eval_ids = results[0]["eval_ids"] + results[1]["eval_ids"]
+    assert sorted(eval_ids) == list(range(1001))
+    for result in results:
+        assert result["replicas"] == 2
+        # Files 0, 2, 4, 6 (504 examples) and 1, 3, 5, 7 (497), 24 per
+        # step -> 21 steps each.
+        assert result["eval_steps"] == 21
+        for key in ("accuracy", "xent"):
+            assert result["evaluate"][key] == pytest.approx(
+                result["golden"][key], abs=TOLERANCE, rel=TOLERANCE)
+    for epoch in range(2):
+        seen = (results[0]["train_ids"][epoch]
+                + results[1]["train_ids"][epoch])
+        assert sorted(seen) == list(range(96))
+    _check_unreachable(results[0])
+    # Element sharding through the service would mix the pipelines.
+    error = results[0]["element_sharding_error"]
+    assert "`service`='grpc://127.0.0.1:" in error
+    assert "files_dataset_fn" in error and "2 input pipelines" in error
+
+
+@pytest.mark.slow
+def test_launch_data_workers(tmp_path):
+    """`tfmulti-launch --data_workers 2` starts a dispatcher and 2 data
+    workers, the job reads through them by `TFMULTI_DATA_SERVICE`, and
+    all of them are gone when the launcher returns."""
+    out = tmp_path / "child.json"
+    _, output = run_python(
+        ["-m", "tfmulti.launch", "--workers", "1", "--data_workers", "2",
+         "--timeout", "400", "--", sys.executable,
+         "tests/workers/data_service_launch_child.py", str(out)],
+        timeout=450)
+    result = json.loads(out.read_text())
+    assert sorted(result["ids"]) == list(range(300))
+    assert f"dispatcher at {result['address']}" in output
+    host, port = result["address"].rsplit(":", 1)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=5).close()
+
