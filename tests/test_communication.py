@@ -283,15 +283,15 @@ def test_options_validated():
 
 
 def test_combinations_rejected():
-    from tfmulti.training import reduction
+    from tfmulti.training import reducers
     with pytest.raises(ValueError, match="`sync`"):
-        reduction.check_options(tfmulti.LocalSGD(every=4),
+        reducers.check_options(tfmulti.LocalSGD(every=4),
                                 tfmulti.PowerSGD())
     with pytest.raises(ValueError, match="`allreduce_dtype`"):
-        reduction.check_options(None, tfmulti.PowerSGD(),
+        reducers.check_options(None, tfmulti.PowerSGD(),
                                 allreduce_dtype="bfloat16")
     with pytest.raises(ValueError, match="`compression`"):
-        reduction.check_options(None, "powersgd")
+        reducers.check_options(None, "powersgd")
 
 
 def assert_same_state(resumed, whole):

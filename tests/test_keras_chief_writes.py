@@ -209,7 +209,7 @@ def test_callback_that_keeps_its_own_paths_stops_fit_on_every_worker(job):
 
 def test_keras_callbacks_still_have_no_chief_logic():
     # tf.keras (Keras 2) asked the strategy who the chief is; once Keras 3
-    # does again, delete tfmulti.keras.chief_writes.
+    # does again, delete tfmulti.chief_writes.
     from keras.src.callbacks import (backup_and_restore, csv_logger,
                                      model_checkpoint, tensorboard)
     for module in (backup_and_restore, csv_logger, model_checkpoint,

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from tfmulti import balance as balance_lib
-from tfmulti import rundir
+from tfmulti import exit_codes, rundir
 
 DEFAULT_DATASET = "tfmulti_shapes"
 LOOPS = ("fit", "trainer")
@@ -175,7 +175,7 @@ class ExperimentConfig:
         synchronous update; anything else is local SGD (DiLoCo with an
         outer learning rate or momentum).
         """
-        from tfmulti.training import local_sgd, powersgd, reduction
+        from tfmulti.training import local_sgd, powersgd, reducers
         outer = None
         if (self.outer_learning_rate, self.outer_momentum) != (1.0, 0.0):
             outer = local_sgd.OuterSGD(learning_rate=self.outer_learning_rate,
@@ -189,7 +189,7 @@ class ExperimentConfig:
             "start_iter": self.powersgd_start_iter}
         compression = powersgd.PowerSGD(rank=self.powersgd_rank, **start) if (
             self.compression == "powersgd") else None
-        reduction.check_options(sync, compression,
+        reducers.check_options(sync, compression,
                                 allreduce_dtype=self.allreduce_dtype)
         return sync, compression
 
@@ -305,9 +305,6 @@ def _check_batch(config: ExperimentConfig, replicas: int,
             flag="global_batch_size")
 
 
-def _launch_attempt() -> int:
-    from tfmulti import launch
-    return int(os.environ.get(launch.ATTEMPT_ENV, "0") or 0)
 
 
 def _open_run_dir(config: ExperimentConfig, loop: str) -> rundir.RunDir:
@@ -323,7 +320,7 @@ def _open_run_dir(config: ExperimentConfig, loop: str) -> rundir.RunDir:
                 "directory, on storage they all reach.", flag="model_dir")
         model_dir = rundir.default_model_dir(RECIPE_NAMES[loop])
     # A group restarted by tfmulti-launch continues where it failed.
-    resume = config.resume or _launch_attempt() > 0
+    resume = config.resume or exit_codes.launch_attempt() > 0
     try:
         run = rundir.open_run_dir(
             model_dir, config=_identity(config, loop), resume=resume,

@@ -68,7 +68,7 @@ _TAIL_LINES = 50
 # The last line of a Python traceback: "ValueError: ...", "tfmulti.X: ...".
 _ERROR_LINE = re.compile(rb"^[A-Za-z_][\w.]*(Error|Exception|Exit|"
                          rb"Interrupt)\b")
-ATTEMPT_ENV = "TFMULTI_LAUNCH_ATTEMPT"
+ATTEMPT_ENV = exit_codes.ATTEMPT_ENV
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "reaper.py")
 

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import sys
+import tempfile
 from typing import Any, Mapping
+
+from tfmulti import cluster as cluster_lib
 
 RUNS_ROOT = "runs"
 CONFIG_FILE = "config.json"
@@ -211,3 +215,14 @@ def open_run_dir(path: str, *, config: Mapping[str, Any], resume: bool,
     return RunDir(path, resuming=True, saved_config=saved,
                   finished_steps=metrics.get("steps") if finished else None)
 
+
+def worker_temp_dir(model_dir, *, cluster=None, temp_root=None) -> str:
+    """The temporary directory a non-chief worker writes instead of
+    `model_dir`. It depends only on `model_dir` and the worker's rank, so a
+    run restarted after a crash finds and removes what the killed one left.
+    """
+    cluster = cluster or cluster_lib.cluster_config()
+    digest = hashlib.sha256(os.path.abspath(
+        os.fspath(model_dir)).encode()).hexdigest()[:12]
+    return os.path.join(temp_root or tempfile.gettempdir(),
+                        f"tfmulti-{digest}-worker{cluster.worker_rank}")

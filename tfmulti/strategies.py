@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat, parameter_server, startup, watchdog
-from tfmulti import initial_values
+from tfmulti import chief_writes, initial_values
 
 STRATEGY_NAMES = ("auto", "one_device", "mirrored", "multi_worker",
                   "parameter_server")
@@ -411,9 +411,36 @@ def _keras_fixes():
 
 def _keras_writes_from_chief():
     """Keras's saves and file-writing callbacks write from the chief only
-    under a multi-worker strategy (`tfmulti.keras.chief_writes`): the
-    user's one-machine code, run by every worker, gives one file of each."""
-    # Imported here: it is Keras-level policy, needed only once a
-    # multi-worker strategy exists.
-    from tfmulti.keras import chief_writes
+    under a multi-worker strategy (`tfmulti.chief_writes`): the user's
+    one-machine code, run by every worker, gives one file of each."""
     chief_writes.install()
+
+
+def outside_scope(strategy, variables):
+    """The first of `variables` not created under `strategy`, else None."""
+    return next((v for v in variables
+                 if not strategy.extended.variable_created_in_scope(
+                     getattr(v, "value", v))), None)
+
+
+def check_created_in_scope(strategy, model, optimizer):
+    """Raises ValueError naming a model or optimizer variable created
+    outside `strategy`'s scope (the Trainer and `tfmulti.keras.distributed`
+    check it before their first step)."""
+    fix = ("Create the model and the optimizer inside `with "
+           "strategy.scope():` (the same strategy you pass to the Trainer), "
+           "before building them.")
+    variable = outside_scope(strategy, model.variables)
+    if variable is not None:
+        raise ValueError(
+            f"The model's variable {variable.path!r} was not created "
+            f"under the scope of the strategy "
+            f"{type(strategy).__name__}. {fix}")
+    # Keras's TF optimizer binds the strategy current at its construction
+    # and updates variables through it.
+    bound = compat.optimizer_strategy(optimizer)
+    if bound is not None and bound is not strategy:
+        raise ValueError(
+            f"The optimizer {type(optimizer).__name__} was created outside "
+            f"the scope of the strategy {type(strategy).__name__} (its slot "
+            f"variables would land under another scope, tf#55713). {fix}")

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("`--dispatcher` is required for role worker, e.g. "
                         "--dispatcher=127.0.0.1:5050")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from tfmulti import compat  # imports TensorFlow, as the servers do
     servers = []
     if args.role in ("dispatcher", "local"):
         dispatcher = start_dispatcher(args.port, args.work_dir)
@@ -226,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         servers.append(start_worker(args.dispatcher, args.port))
         print(f"tfmulti: data service worker at "
-              f"127.0.0.1:{servers[-1]._address.rsplit(':', 1)[1]}",
+              f"127.0.0.1:{compat.data_worker_address(servers[-1]).rsplit(':', 1)[1]}",
               flush=True)
     if args.role == "local":
         for _ in range(args.workers):
             servers.append(start_worker(address))
             print(f"tfmulti: data service worker at "
-                  f"127.0.0.1:{servers[-1]._address.rsplit(':', 1)[1]}",
+                  f"127.0.0.1:{compat.data_worker_address(servers[-1]).rsplit(':', 1)[1]}",
                   flush=True)
     stop = []
     for signum in (signal.SIGTERM, signal.SIGINT):

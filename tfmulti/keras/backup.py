@@ -28,7 +28,7 @@ from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics, preemption
 from tfmulti.training import worker_state as worker_state_lib
-from tfmulti.training.checkpoints import worker_temp_dir
+from tfmulti.rundir import worker_temp_dir
 
 BACKUP_DIR = "backup"
 CHECKPOINT_DIR = "checkpoints"

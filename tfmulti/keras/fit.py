@@ -39,9 +39,8 @@ from tfmulti.training import data_checks
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import reduction
+from tfmulti.training import reducers
 from tfmulti.training import step as step_lib
-from tfmulti.training import trainer as trainer_lib
 from tfmulti.training import xla as xla_lib
 
 # The instance attribute holding this module's state on a model.
@@ -55,8 +54,8 @@ def _check_accumulation(optimizer):
 
 
 def _check_model(model):
-    from tfmulti.pipeline import trainer_adapter
-    trainer_adapter.refuse_keras_fit(model)
+    from tfmulti.pipeline import runner as pipeline_runner
+    pipeline_runner.refuse_keras_fit(model)
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` should be a keras.Model, got "
                          f"{type(model).__name__}.")
@@ -88,8 +87,10 @@ def _check_model(model):
     _check_accumulation(model.optimizer)
 
 
-class _State:
-    """What `distributed` keeps on a model: options and the current chunk."""
+class _DistributedState:
+    """What `distributed` keeps on a model between Keras's calls: its
+    options, the kept input and reducer, and the chunk and evaluation in
+    progress."""
 
     def __init__(self, options, strategy, *, jit_compile=False, sync=None,
                  compression=None):
@@ -120,6 +121,8 @@ class _State:
         self.eval_masked = False
         # Extra keys of an overridden `compute_metrics` (a `_Logs`).
         self.train_extras = None
+        # A custom `test_step`'s extra logs (a `_Logs`), captured per batch.
+        self.test_logs = None
         self.warned_weighting = False
 
 
@@ -381,12 +384,12 @@ def _make_train_function(model, force=False):
     if not optimizer.built:
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-    trainer_lib.check_created_in_scope(strategy, model, optimizer)
+    strategies.check_created_in_scope(strategy, model, optimizer)
     if not gradients_lib.reduces_gradients(optimizer):
         gradients_lib.disable_optimizer_reduction(optimizer)
     communication_options = strategies.communication_options(strategy)
     if state.reducer is None:
-        state.reducer = reduction.make_reducer(
+        state.reducer = reducers.make_reducer(
             strategy, model.trainable_variables, sync=state.sync,
             compression=state.compression,
             communication_options=communication_options,
@@ -534,9 +537,9 @@ def _masked_test_step(model, batch):
                                sample_weight=weights, training=False)
     # Keras's loss carries a 1/replicas scale under a strategy; its own
     # `test_step` tracks it without.
-    replicas = model.distribute_strategy.num_replicas_in_sync
     compat.loss_tracker(model).update_state(
-        loss * tf.cast(replicas, loss.dtype), sample_weight=count)
+        compat.unscaled_keras_loss(loss, model.distribute_strategy),
+        sample_weight=count)
     return model.compute_metrics(x, y, y_pred, sample_weight=mask)
 
 
@@ -767,8 +770,8 @@ def distributed(model, *, grad_accum_steps: int = 1,
         optimizer uses `gradient_accumulation_steps`, or an option is bad.
     """
     from tfmulti.keras import pipelined
-    from tfmulti.pipeline import trainer_adapter
-    if trainer_adapter.is_pipelined(model):
+    from tfmulti.pipeline import runner as pipeline_runner
+    if pipeline_runner.is_pipelined(model):
         return pipelined.distributed(
             model, grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
@@ -778,9 +781,9 @@ def distributed(model, *, grad_accum_steps: int = 1,
     options = step_lib.GradientOptions(
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype)
-    reduction.check_options(sync, compression,
+    reducers.check_options(sync, compression,
                             allreduce_dtype=allreduce_dtype)
-    setattr(model, _STATE, _State(
+    setattr(model, _STATE, _DistributedState(
         options, model.distribute_strategy,
         jit_compile=xla_lib.check_jit_compile(jit_compile), sync=sync,
         compression=compression))

@@ -4,7 +4,7 @@
 whose variables group 0 of the pipeline trains in place) compiled with the
 pipeline's optimizer, and with three instance attributes that Keras's own
 TensorFlow trainer calls: `train_step` runs the pipelined step
-(`TrainerAdapter.step_on_batch`, the Trainer's too: stages on their devices,
+(`PipelineRunner.step_on_batch`, the Trainer's too: stages on their devices,
 M micro-batches, D groups), `test_step` and `predict_step` run the forward
 pass stage by stage. Everything else is Keras's: epochs, `steps_per_epoch`,
 `steps_per_execution`, callbacks, History, the loss tracker and compiled
@@ -26,17 +26,17 @@ import keras
 import tensorflow as tf
 
 from tfmulti import compat
-from tfmulti.pipeline import trainer_adapter
+from tfmulti.pipeline import runner as pipeline_runner
 from tfmulti.pipeline import unsupported
 from tfmulti.training import data_checks
 from tfmulti.training import step as step_lib
 
-# The instance attribute holding the TrainerAdapter on the unsplit model.
+# The instance attribute holding the PipelineRunner on the unsplit model.
 _STATE = "_tfmulti_pipelined_fit"
 
 
 def adapter_of(model):
-    """The `TrainerAdapter` of a model made by `distributed(pipe)`, or
+    """The `PipelineRunner` of a model made by `distributed(pipe)`, or
     None."""
     return getattr(model, _STATE, None)
 
@@ -180,7 +180,7 @@ def distributed(pipe, *, grad_accum_steps, clip_global_norm, allreduce_dtype,
     Raises:
       ValueError: an option the pipelined step does not implement, named.
     """
-    adapter = trainer_adapter.TrainerAdapter(
+    adapter = pipeline_runner.PipelineRunner(
         pipe, optimizer=None, loss=None, strategy=None,
         grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
         allreduce_dtype=allreduce_dtype, mixed_precision=None,

@@ -9,8 +9,13 @@ equals one device's on the same global batch.
 """
 
 from tfmulti.pipeline.model import PipelinedModel, PipelineOptions
+from tfmulti.pipeline.runner import PipelineRunner, is_pipelined
 from tfmulti.pipeline.schedule import theoretical_bubble
 from tfmulti.pipeline.split import Stage, balanced_cuts, layer_names, split_model
+from tfmulti.training import runner as _runner
+
+# The Trainer (a layer above) runs a PipelinedModel through this runner.
+_runner.register_model_runner(is_pipelined, PipelineRunner)
 
 __all__ = [
     "PipelineOptions",

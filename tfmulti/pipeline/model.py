@@ -5,7 +5,7 @@ stage's variables on its device (`placement`), and trains with a step that
 splits the global batch over D data-parallel groups and each group's share
 into M micro-batches, runs the schedule (`schedule`) inside one
 `tf.function`, sums each stage's gradients over the micro-batches and, with
-D > 1, over the groups (`reduction`), then applies them once. The update
+D > 1, over the groups (`group_sum`), then applies them once. The update
 equals one device's on the whole global batch.
 
 The stages are sub-models over the unsplit model's own layers; group 0 of
@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfmulti.pipeline import checkpoint as checkpoint_lib
 from tfmulti.pipeline import placement
-from tfmulti.pipeline import reduction
+from tfmulti.pipeline import group_sum
 from tfmulti.pipeline import schedule as schedule_lib
 from tfmulti.pipeline import split
 
@@ -210,7 +210,7 @@ class PipelinedModel:
                         optimizer).from_config(optimizer.get_config())
                     opt.build(self._trainable[d][s])
                 self.optimizers[d][s] = opt
-        self._all_reduce = [reduction.StageAllReduce(
+        self._all_reduce = [group_sum.StageAllReduce(
             [self.devices[d][s] for d in range(opts.data_parallel)])
             for s in range(opts.num_stages)]
         self._steps = {}

@@ -39,10 +39,6 @@ class Stage:
     model: keras.Model
     carried: tuple[str, ...] = ()
 
-    @property
-    def parameter_count(self) -> int:
-        return int(sum(np.prod(v.shape) for v in self.model.weights))
-
 
 def _functional(model: keras.Model) -> keras.Model:
     """The functional graph behind `model` (Sequential keeps one inside)."""

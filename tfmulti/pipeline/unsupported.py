@@ -1,6 +1,6 @@
 """The options a pipeline does not implement, refused in one place.
 
-The Trainer (`TrainerAdapter`), Keras `fit` (`tfmulti.keras.pipelined`) and
+The Trainer (`PipelineRunner`), Keras `fit` (`tfmulti.keras.pipelined`) and
 the recipes (`experiment.ExperimentConfig`) all check their options here, so
 each is refused with the same reason and the same fix wherever it is given.
 """

@@ -17,8 +17,8 @@ by its worker's death is lost and counted (`lost_updates` in the history).
 `RetryCounter` counts the coordinator's retries.
 
 Keras 3's `model.fit` does not run under this strategy
-(keras-team/keras#18624; BUILD_NOTES, issue 16); Keras 3 models, optimizers
-and metrics do.
+(keras-team/keras#18624: Keras 3 has no `ClusterCoordinator` path); Keras 3
+models, optimizers and metrics do.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ Rules, each tested:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat, watchdog
+from tfmulti.rundir import worker_temp_dir
 from tfmulti.training import model_dir_lock, numerics
 
 FORMAT = 1
@@ -112,18 +112,6 @@ class _PositionState(tf.train.experimental.PythonState):
             string_value)
         self.position = Position.from_json(
             value.decode() if isinstance(value, bytes) else value)
-
-
-def worker_temp_dir(model_dir, *, cluster=None, temp_root=None) -> str:
-    """The temporary directory a non-chief worker writes instead of
-    `model_dir`. It depends only on `model_dir` and the worker's rank, so a
-    run restarted after a crash finds and removes what the killed one left.
-    """
-    cluster = cluster or cluster_lib.cluster_config()
-    digest = hashlib.sha256(os.path.abspath(
-        os.fspath(model_dir)).encode()).hexdigest()[:12]
-    return os.path.join(temp_root or tempfile.gettempdir(),
-                        f"tfmulti-{digest}-worker{cluster.worker_rank}")
 
 
 def read_position(prefix: str) -> Position | None:

@@ -1,8 +1,8 @@
 """Training data that does not fit the loop: a clear error, not a raw one.
 
 The structure is checked once, on the element spec, before anything is
-traced (an unbatched dataset used to fail deep inside the step with an
-`IndexError`). What only shows while running (data that runs out, a label
+traced (an unbatched dataset would otherwise fail deep inside the step
+with an `IndexError`). What only shows while running (data that runs out, a label
 outside the model's classes, a batch of another shape than the first ones)
 is not checked per batch, which would cost every step: the error TensorFlow
 raises is translated where it leaves the loop, naming the argument, what it

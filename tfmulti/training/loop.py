@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmulti import watchdog
-from tfmulti.training import replica_statistics
+from tfmulti import replica_statistics
 from tfmulti.training import xla as xla_lib
 
 
@@ -115,13 +115,3 @@ def skip_batches(iterator, num_batches: int) -> None:
     if num_batches > 0:
         _skip(iterator, tf.constant(num_batches, tf.int64))
 
-
-def loop_length(start: int, *, steps: int, steps_per_loop: int,
-                eval_every: int | None) -> int:
-    """Steps in the loop that starts after `start` steps: at most
-    `steps_per_loop`, never past `steps` or the next multiple of
-    `eval_every` (None: no evaluation inside the run)."""
-    n = min(steps_per_loop, steps - start)
-    if eval_every is not None:
-        n = min(n, eval_every - start % eval_every)
-    return n

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import exit_codes
+from tfmulti.training import loop
 
 
 class PreemptionWatcher:
@@ -65,7 +66,6 @@ class PreemptionWatcher:
         local = tf.constant(1.0 if self.signalled else 0.0)
         if cluster_lib.of_strategy(self._strategy).num_workers < 2:
             return self.signalled
-        from tfmulti.training import loop  # noqa: PLC0415 (cycle)
         return bool(loop.sum_over_replicas(self._strategy, local).numpy() > 0)
 
 

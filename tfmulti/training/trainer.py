@@ -29,7 +29,8 @@ from tfmulti.training import controller as controller_lib
 from tfmulti.training import data_checks
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import numerics, preemption, reduction
+from tfmulti.training import numerics, preemption, reducers
+from tfmulti.training import runner as runner_lib
 from tfmulti.training import step as step_lib
 from tfmulti.training import worker_state as worker_state_lib
 from tfmulti.training import summaries
@@ -58,38 +59,9 @@ def _resolve_strategy(strategy, model):
     return tf.distribute.get_strategy()
 
 
-def _outside_scope(strategy, variables):
-    """The first of `variables` not created under `strategy`, else None."""
-    return next((v for v in variables
-                 if not strategy.extended.variable_created_in_scope(
-                     getattr(v, "value", v))), None)
-
-
-def check_created_in_scope(strategy, model, optimizer):
-    """Raises ValueError naming a model or optimizer variable created
-    outside `strategy`'s scope."""
-    fix = ("Create the model and the optimizer inside `with "
-           "strategy.scope():` (the same strategy you pass to the Trainer), "
-           "before building them.")
-    variable = _outside_scope(strategy, model.variables)
-    if variable is not None:
-        raise ValueError(
-            f"The model's variable {variable.path!r} was not created "
-            f"under the scope of the strategy "
-            f"{type(strategy).__name__}. {fix}")
-    # Keras's TF optimizer binds the strategy current at its construction
-    # and updates variables through it.
-    bound = compat.optimizer_strategy(optimizer)
-    if bound is not None and bound is not strategy:
-        raise ValueError(
-            f"The optimizer {type(optimizer).__name__} was created outside "
-            f"the scope of the strategy {type(strategy).__name__} (its slot "
-            f"variables would land under another scope, tf#55713). {fix}")
-
-
 def _resolve_metric(metric, strategy):
     if isinstance(metric, keras.metrics.Metric):
-        if _outside_scope(strategy, metric.variables) is not None:
+        if strategies.outside_scope(strategy, metric.variables) is not None:
             raise ValueError(
                 f"The metric {metric.name!r} was created outside the "
                 f"scope of the strategy {type(strategy).__name__}, so "
@@ -153,7 +125,7 @@ class Trainer:
       model: a Keras model whose variables were created under `strategy`;
         or a `tfmulti.pipeline.PipelinedModel` (then pass no optimizer, loss
         or strategy: the pipeline has its own; see `tfmulti/pipeline/
-        trainer_adapter.py`).
+        runner.py`).
       optimizer: a Keras optimizer created under `strategy`; the Trainer
         builds it and replaces its own cross-replica reduction.
       loss: `loss(y_true, y_pred)` returning PER-EXAMPLE losses (a Keras
@@ -196,16 +168,15 @@ class Trainer:
                  mixed_precision=None, model_dir=None,
                  on_nonfinite="raise", sync=None, compression=None,
                  jit_compile=False, async_warmup_steps=None, balance=None):
-        from tfmulti.pipeline import trainer_adapter
         # A PipelinedModel brings its own step; the rest of fit is shared.
-        self._pipeline = trainer_adapter.TrainerAdapter(
+        self._pipeline = runner_lib.model_runner(
             model, optimizer=optimizer, loss=loss, strategy=strategy,
             grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype, mixed_precision=mixed_precision,
             on_nonfinite=on_nonfinite, jit_compile=jit_compile, sync=sync,
             compression=compression,
-        ) if trainer_adapter.is_pipelined(model) else None
+        )
         if self._pipeline is not None:
             model, optimizer = self._pipeline.model, self._pipeline.optimizer
             loss = self._pipeline.pipe.loss
@@ -220,7 +191,7 @@ class Trainer:
             grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype)
-        reduction.check_options(sync, compression,
+        reducers.check_options(sync, compression,
                                 allreduce_dtype=allreduce_dtype)
         if (sync or compression) and parameter_server.is_parameter_server(
                 _resolve_strategy(strategy, model)):
@@ -235,7 +206,8 @@ class Trainer:
         self._async_warmup_steps = _async_warmup_steps(
             async_warmup_steps, self.strategy)
         if self._pipeline is None:
-            check_created_in_scope(self.strategy, model, optimizer)
+            strategies.check_created_in_scope(self.strategy, model,
+                                              optimizer)
         self.model = model
         self._loss = loss
         self.model_dir = model_dir
@@ -259,7 +231,7 @@ class Trainer:
         self._steps_done = 0
         gradients_lib.disable_optimizer_reduction(optimizer)
         self.optimizer = optimizer
-        self._reducer = reduction.make_reducer(
+        self._reducer = reducers.make_reducer(
             self.strategy, model.trainable_variables, sync=sync,
             compression=compression,
             communication_options=strategies.communication_options(

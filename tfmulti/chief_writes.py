@@ -40,7 +40,7 @@ import keras
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat
-from tfmulti.training.checkpoints import worker_temp_dir
+from tfmulti.rundir import worker_temp_dir
 
 # A callback's paths as the user gave them, while they are redirected.
 _SHARED = "_tfmulti_shared_paths"

@@ -1,5 +1,5 @@
-"""What `tfmulti.Trainer` (and Keras `fit`, `tfmulti.keras.pipelined`)
-needs to train a `PipelinedModel`.
+"""The pipeline runner: what `tfmulti.Trainer` (and Keras `fit`,
+`tfmulti.keras.pipelined`) needs to train a `PipelinedModel`.
 
 The Trainer keeps its controller, actions, checkpoints, evaluation,
 summaries, preemption handling and callbacks; only four things differ for a
@@ -41,7 +41,7 @@ def refuse_keras_fit(model) -> None:
             "`km = tfmulti.keras.distributed(pipe)`, then `km.fit(...)`.")
 
 
-class TrainerAdapter:
+class PipelineRunner:
     """The pipeline-specific parts of a `Trainer` over a `PipelinedModel`.
 
     Args:
