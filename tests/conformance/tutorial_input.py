@@ -184,9 +184,12 @@ def sharding_on_workers(strategy, directory):
     files = []
     for i, values in enumerate((range(0, 6), range(6, 12))):
         path = os.path.join(directory, f"file{i + 1}.txt")
-        with open(path + ".tmp", "w") as f:
+        # Every worker writes the same two files: each through its own
+        # temporary name, so the renames do not race.
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
             f.write("".join(f"{v}\n" for v in values))
-        os.replace(path + ".tmp", path)
+        os.replace(temporary, path)
         files.append(path)
     out = {}
     for name in ("FILE", "DATA", "OFF"):
