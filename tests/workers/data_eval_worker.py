@@ -33,23 +33,14 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from golden_data import compiled_eval_model  # noqa: E402
+
 GLOBAL_BATCH = 48
 rng = np.random.default_rng(0)
 
 
 def compiled_model(input_shape, layers, weights):
-    # Fixed weights from numpy: the same model in every process, whatever
-    # the strategy does with Keras's RNG.
-    with strategy.scope():
-        model = keras.Sequential([keras.Input(input_shape), *layers])
-        model.set_weights(weights)
-        model.compile(
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=[
-                "accuracy",
-                keras.metrics.SparseCategoricalCrossentropy(
-                    from_logits=True, name="xent")])
-    return model
+    return compiled_eval_model(strategy, input_shape, layers, weights)
 
 
 def evaluate(model, dataset_fn, x, y, map_fn=None):

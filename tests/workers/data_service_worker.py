@@ -38,6 +38,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from golden_data import compiled_eval_model  # noqa: E402
+
 from tfmulti.data import service as service_lib  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -51,19 +53,10 @@ weights = [kernel, *(rng.normal(scale=0.5, size=s).astype("float32")
 
 
 def compiled_model(scope_strategy):
-    with scope_strategy.scope():
-        model = keras.Sequential([
-            keras.Input((9,)), keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(4)])
-        model.set_weights(weights)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.01),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=[
-                "accuracy",
-                keras.metrics.SparseCategoricalCrossentropy(
-                    from_logits=True, name="xent")])
-    return model
+    return compiled_eval_model(
+        scope_strategy, (9,), [keras.layers.Dense(16, activation="relu"),
+                               keras.layers.Dense(4)], weights,
+        optimizer=keras.optimizers.SGD(0.01))
 
 
 def local_values(value):

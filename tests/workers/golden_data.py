@@ -22,3 +22,22 @@ def padded_eval_dataset():
     w = np.concatenate([np.ones(len(X_EVAL), "float32"),
                         np.zeros(pad, "float32")])
     return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
+
+
+def compiled_eval_model(strategy, input_shape, layers, weights, **compile_args):
+    """A Sequential with fixed numpy weights (the same model in every process,
+    whatever the strategy does with Keras's RNG), compiled with the weighted
+    accuracy and cross-entropy that exact-once evaluation reads."""
+    import keras
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input(input_shape), *layers])
+        model.set_weights(weights)
+        model.compile(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[
+                "accuracy",
+                keras.metrics.SparseCategoricalCrossentropy(
+                    from_logits=True, name="xent")],
+            **compile_args)
+    return model
