@@ -536,13 +536,20 @@ def mirrored_strategy_class():
 # (`tf.random.experimental.stateless_fold_in`). An integer seed stays the
 # user's fixed seed. Checked: Keras 3.15.1. Guard:
 # tests/test_compat.py::test_stock_defect_is_still_present[keras_random_alike_on_every_replica].
+def _made_by_tfmulti(strategy) -> bool:
+    """Whether `strategy` came from tfmulti (`create_strategy`,
+    `multi_worker_on_cpus`), which marks every strategy it makes with its
+    communication options: the Keras fixes below change nothing else."""
+    return getattr(strategy, "_tfmulti_communication_options",
+                   None) is not None
+
+
 def _tfmulti_replica_context():
-    """The replica context of a tfmulti mirrored or multi-worker strategy
-    with more than one replica, or None."""
+    """The replica context of a tfmulti strategy with more than one
+    replica, or None."""
     ctx = tf.distribute.get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync < 2 or not isinstance(
-            ctx.strategy, (KerasMirroredStrategy,
-                           KerasMultiWorkerMirroredStrategy)):
+    if ctx is None or ctx.num_replicas_in_sync < 2 or not _made_by_tfmulti(
+            ctx.strategy):
         return None
     return ctx
 
@@ -623,9 +630,8 @@ def build_models_without_call() -> bool:
         return False
 
     def build(self, *args, **kwargs):
-        strategy = getattr(self, "_distribute_strategy", None)
-        if (getattr(strategy, "_tfmulti_communication_options", None)
-                is not None and type(self).call is keras.Model.call
+        if (_made_by_tfmulti(getattr(self, "_distribute_strategy", None))
+                and type(self).call is keras.Model.call
                 and _built_without_call(self)):
             return None
         return stock(self, *args, **kwargs)
