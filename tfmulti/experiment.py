@@ -650,15 +650,15 @@ def input_data(config: ExperimentConfig, strategy):
                                        global_batch_size=config.
                                        global_batch_size, training=False))
         return info, train_fn, test
-    train = data.distribute_dataset(
-        strategy, train_fn, global_batch_size=config.global_batch_size,
-        seed=config.seed, service=config.data_service)
     test = data.distribute_dataset(
         strategy, test_fn, global_batch_size=config.global_batch_size,
         training=False, service=config.data_service)
     if config.balance:
         # The Trainer cuts each global batch of train_fn by the shares.
         return info, train_fn, test
+    train = data.distribute_dataset(
+        strategy, train_fn, global_batch_size=config.global_batch_size,
+        seed=config.seed, service=config.data_service)
     return info, train, test
 
 
