@@ -33,7 +33,7 @@ KNOWN = {
     ("tfmulti/pipeline/split.py", "_keras_history"),
     ("tfmulti/pipeline/split.py", "_nodes_by_depth"),
     ("tfmulti/strategies.py", "tensorflow.python.distribute"),
-    ("tfmulti/training/async_trainer.py", "_is_dead_with_error"),
+    ("tfmulti/training/coordinator_watch.py", "_is_dead_with_error"),
     ("tfmulti/training/async_trainer.py", "tensorflow.python.distribute"),
     ("tfmulti/training/communication.py", "_replica_id"),
     ("tfmulti/training/communication.py", "tensorflow.python.distribute"),

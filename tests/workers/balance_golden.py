@@ -87,7 +87,7 @@ def run_case(name, strategy, balance):
            "weights": [w.tolist() for w in model.get_weights()],
            "replicas_equal": all(np.array_equal(r[0], other)
                                  for r in replicas for other in r[1:]),
-           "retraces": len(next(iter(trainer._loops.values())).traced
+           "retraces": len(next(iter(trainer.runner.loops.values())).traced
                            ._list_all_concrete_functions())}
     if not golden:
         out["shares"] = [[history[f"share_{r}"][i] for r in range(

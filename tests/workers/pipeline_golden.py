@@ -236,7 +236,7 @@ def trainer_cases(cases, goldens, ckpt_dir):
             "steps": trainer.step,
             "val_loss_diff": abs(history["val_loss"][-1] - g_val_loss),
             "train_accuracy": history["sparse_categorical_accuracy"][-1],
-            "optimizer_layout": trainer._pipeline.optimizer_layout,
+            "optimizer_layout": trainer.runner.pipeline.optimizer_layout,
         }
     # Resumed from a checkpoint by a second Trainer over a new
     # PipelinedModel, the last case must equal its uninterrupted run.
@@ -381,7 +381,7 @@ def keras_cases(cases, ckpt_dir):
     results[case]["trainer_predict_diff"] = _max_diff(
         [trainer_pipe.predict(data()[0][0])], [predictions])
     results[case]["trainer_optimizer_diff"] = _max_diff(
-        [v.numpy() for v in trainer._pipeline.optimizer_view.variables],
+        [v.numpy() for v in trainer.runner.pipeline.optimizer_view.variables],
         [v.numpy() for v in pipe.checkpoint_optimizer()[0].variables])
     # One more epoch's steps (the backup has no iterator: the Trainer skips
     # the 6 batches used) reach plain Keras's weights after epoch 3.

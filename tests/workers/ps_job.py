@@ -118,7 +118,7 @@ result = {"accuracy": trainer.evaluate(test)["sparse_categorical_accuracy"],
           "iterations": int(optimizer.iterations.numpy()),
           "sharded_error": SHARDED_ERROR}
 if MODE == "async":
-    counts = trainer._async.ledger.counts()
+    counts = trainer.runner.ledger.counts()
     result.update({key: value.tolist() for key, value in counts.items()})
 with open(OUT, "w") as f:
     json.dump(result, f)

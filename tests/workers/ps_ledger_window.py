@@ -31,14 +31,14 @@ strategy = tfmulti.create_strategy("parameter_server",
 import tensorflow as tf  # noqa: E402
 
 from tfmulti import parameter_server  # noqa: E402
-from tfmulti.training import async_trainer  # noqa: E402
+from tfmulti.training import closure_ledger, coordinator_watch  # noqa: E402
 
 coordinator = parameter_server.coordinator(strategy)
-retries = async_trainer.RetryCounter(coordinator)
+retries = coordinator_watch.RetryCounter(coordinator)
 with strategy.scope():
     steps = tf.Variable(0, dtype=tf.int64, trainable=False)
     total = tf.Variable(0, dtype=tf.int64, trainable=False)
-ledger = async_trainer.ClosureLedger(strategy, CLOSURES, steps=steps)
+ledger = closure_ledger.ClosureLedger(strategy, CLOSURES, steps=steps)
 
 
 def apply(update, closure_id, worker):

@@ -110,9 +110,9 @@ def count_gradient_all_reduces(strategy, k):
     train = tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(
         BATCH, drop_remainder=True)
     trainer.fit(train, steps=1, verbose=0)
-    loop = next(iter(trainer._loops.values())).traced
+    loop = next(iter(trainer.runner.loops.values())).traced
     graph = loop.get_concrete_function(
-        trainer._iterator, tf.constant(1)).graph.as_graph_def()
+        trainer.runner.iterator, tf.constant(1)).graph.as_graph_def()
     return communication.count_ops(graph, "CollectiveReduceV2",
                                    within="while_body")
 

@@ -26,7 +26,7 @@ from tfmulti.keras import fit as fit_lib
 from tfmulti.keras import pipelined as pipelined_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import numerics, preemption
+from tfmulti.training import numerics, preemption, resume
 from tfmulti.training import worker_state as worker_state_lib
 from tfmulti.rundir import worker_temp_dir
 
@@ -115,21 +115,17 @@ class BackupAndRestore(keras.callbacks.Callback):
                 if reducer is not None and after_restore is None else None),
             **(reducer.trackables() if reducer is not None else {}))
         try:
-            position = self._checkpointer.restore()
-            if position is not None and after_restore is not None:
-                after_restore()
-            if cluster_lib.of_strategy(strategy).num_workers > 1:
-                checkpoints_lib.check_workers_agree(strategy, position)
+            position = resume.restore(
+                self._checkpointer, strategy,
+                after=after_restore and (lambda position: after_restore()))
         except BaseException:
             self._close()
             raise
         epoch, batch = self._epoch_and_batch(position)
         self.restored = (epoch, batch) if (epoch, batch) != (0, 0) else None
-        if position is not None:
-            changes = position.changes_to(self._position(0, 0))
-            if changes:
-                print(f"restored {self._checkpointer.restored_path} "
-                      f"(elastic resume: {'; '.join(changes)})", flush=True)
+        if position is not None and position.changes_to(self._position(0, 0)):
+            print(resume.restored_line(self._checkpointer, position,
+                                       self._position(0, 0)), flush=True)
         compat.set_initial_epoch(model, epoch)
         self._epoch = epoch
         if batch:

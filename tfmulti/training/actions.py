@@ -8,9 +8,12 @@ kind (`controller.PeriodicAction` wraps a plain function).
 
 from __future__ import annotations
 
+import functools
 import math
 
-from tfmulti.training import preemption
+import keras
+
+from tfmulti.training import preemption, summaries
 from tfmulti.training.controller import Action, LoopResult, Schedule
 
 
@@ -137,3 +140,64 @@ class ExitOnPreemption(Action):
         preemption.save_and_exit_if_preempted(
             self._watcher, self._checkpointer, self._position(result.step),
             say=self._say)
+
+
+def fit_actions(*, strategy, model_dir, optimizer, say, evaluate, callbacks,
+                history,
+                eval_every, actions, checkpointer, position, checkpoint_every,
+                verbose, preemption_watcher) -> list[Action]:
+    """The actions of `Trainer.fit`, in order: summaries, the log line,
+    evaluation, the user's `actions`, the checkpoint and the exit on
+    preemption (every runner gets the same ones).
+
+    Args:
+      strategy, model_dir: where summaries go (chief only).
+      optimizer: its learning rate is summarised.
+      say: prints a line on the chief.
+      evaluate: `evaluate()` -> results, or None (no evaluation).
+      callbacks: the Keras `CallbackList` whose test hooks wrap it.
+      history: the fit's `history.History` (evaluations are added).
+      eval_every, checkpoint_every: steps, or None (see `Trainer.fit`).
+      actions: the user's actions.
+      checkpointer: a `checkpoints.Checkpointer`, or None.
+      position: `position(step, *, loss_finite=True)`.
+      verbose: print the log lines.
+      preemption_watcher: for `ExitOnPreemption`.
+    """
+    eval_schedule = Schedule(every_steps=eval_every,
+                             exact=eval_every is not None)
+    loop_actions = []
+    writer = summaries.ScalarWriter(model_dir, strategy, "train")
+    if writer.active:
+        loop_actions.append(WriteSummaries(writer, extra=lambda: {
+            "learning_rate": float(keras.ops.convert_to_numpy(
+                optimizer.learning_rate))}))
+    if verbose:
+        loop_actions.append(Log(say))
+    if evaluate is not None:
+        def evaluate_with_hooks():
+            callbacks.on_test_begin()
+            results = evaluate()
+            callbacks.on_test_end(results)
+            return results
+
+        loop_actions.append(Evaluate(evaluate_with_hooks,
+                                     schedule=eval_schedule, sinks=[
+            history.record_eval,
+            summaries.ScalarWriter(model_dir, strategy, "eval").write,
+            *([functools.partial(_log_eval, say)] if verbose else [])]))
+    loop_actions.extend(actions)
+    if checkpointer is not None:
+        save_schedule = Schedule(every_steps=checkpoint_every) if (
+            checkpoint_every is not None or evaluate is None) else (
+                eval_schedule)
+        loop_actions.append(SaveCheckpoint(checkpointer, position,
+                                           schedule=save_schedule, say=say))
+        loop_actions.append(ExitOnPreemption(preemption_watcher, checkpointer,
+                                             position, say=say))
+    return loop_actions
+
+
+def _log_eval(say, step, results):
+    say(f"eval at step {step} " + " ".join(
+        f"- {k} {v:.4f}" for k, v in results.items()))

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import watchdog
+from tfmulti.training import loop as loop_lib
 
 
 # Defined with the cluster, so that strategy creation can raise it too.
@@ -88,3 +89,13 @@ def check_agreement(strategy, fields: dict[str, int], *,
             "The workers of this job were started with different "
             "configurations, so training would silently give wrong weights: "
             + " ".join(problems))
+
+
+def any_worker(strategy, flags):
+    """Element-wise OR of `flags` over all workers (one all-reduce): the
+    workers' common decision to stop, evaluate or save after a loop."""
+    if cluster_lib.of_strategy(strategy).num_workers < 2:
+        return flags
+    summed = loop_lib.sum_over_replicas(
+        strategy, tf.constant([float(f) for f in flags]))
+    return [bool(v > 0) for v in summed.numpy()]

@@ -1,4 +1,4 @@
-"""The Trainer's asynchronous mode: steps scheduled on a parameter-server job.
+"""The asynchronous runner: steps scheduled on a parameter-server job.
 
 Under `ParameterServerStrategy` the chief runs this loop and the workers only
 serve: each step is a closure the `ClusterCoordinator` schedules on whichever
@@ -7,14 +7,9 @@ computes its gradient on its own batch and applies it there, without waiting
 for the other workers. A worker that dies is TensorFlow's to handle: its
 in-flight closure is put back in the queue and runs on another worker.
 
-TensorFlow retries a closure at least once, not exactly once: a worker can
-die after its update reached the parameter server but before the coordinator
-heard back, and the retry would apply a second update. Every closure here
-has an id, and a `ClosureLedger` on the parameter servers lets one attempt
-per id claim the right to update, after all its gradients arrived and before
-any write: a retried closure is never applied twice, and an update cut off
-by its worker's death is lost and counted (`lost_updates` in the history).
-`RetryCounter` counts the coordinator's retries.
+A retried closure is never applied twice (`closure_ledger`); an update cut
+off by its worker's death is lost and counted (`lost_updates` in the
+history), and the coordinator's retries are counted (`coordinator_watch`).
 
 Keras 3's `model.fit` does not run under this strategy
 (keras-team/keras#18624: Keras 3 has no `ClusterCoordinator` path); Keras 3
@@ -23,10 +18,7 @@ models, optimizers and metrics do.
 
 from __future__ import annotations
 
-import math
-import time
-
-import keras
+import contextlib
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
@@ -34,10 +26,10 @@ from tensorflow.python.distribute import sharded_variable
 from tfmulti import cluster as cluster_lib
 from tfmulti import parameter_server
 from tfmulti.data import pipeline as pipeline_lib
-from tfmulti.training import checkpoints as checkpoints_lib
-from tfmulti.training import controller as controller_lib
+from tfmulti.training import closure_ledger
+from tfmulti.training import coordinator_watch
 from tfmulti.training import gradients as gradients_lib
-from tfmulti.training import numerics
+from tfmulti.training import runner as runner_lib
 from tfmulti.training import step as step_lib
 
 # The errors through which the coordinator reports a lost parameter server
@@ -56,10 +48,6 @@ _PS_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
 # (issue 27); with a warm-up of 150 steps of 64, 1000-step runs ended within
 # 0.6 points of synchronous (BUILD_NOTES, issue 16).
 DEFAULT_WARMUP_STEPS = 100
-
-# How often a join looks at the workers' state: small against a loop of
-# steps (seconds), and a lock or two per look.
-_JOIN_POLL_SECONDS = 0.05
 
 
 class ParameterServerError(RuntimeError):
@@ -98,149 +86,6 @@ class WorkersLostError(RuntimeError):
         self.checkpoint = checkpoint
 
 
-class WorkerWatch:
-    """Which workers the coordinator holds failed, waiting for them.
-
-    TensorFlow exposes no such state; this reads each of the coordinator's
-    private `Worker._is_dead_with_error` (TF 2.18-2.21,
-    `cluster_coordinator.Worker`: set when a closure fails with a worker
-    error, cleared when the worker is back). Without it `available` is
-    False and `Trainer.fit` joins unbounded, as TensorFlow does.
-    """
-
-    def __init__(self, coordinator):
-        self._workers = list(getattr(getattr(coordinator, "_cluster", None),
-                                     "workers", None) or ())
-        self.available = bool(self._workers) and all(
-            hasattr(w, "_is_dead_with_error") for w in self._workers)
-
-    def failed(self) -> list[int]:
-        """Indices of the workers held failed now."""
-        return [w.worker_index for w in self._workers
-                if w._is_dead_with_error]
-
-    @property
-    def size(self) -> int:
-        return len(self._workers)
-
-
-class ClosureLedger:
-    """Per-closure marks on the parameter servers: at most one update each.
-
-    TensorFlow's coordinator runs a closure at least once, not exactly once:
-    a worker that dies while its update is landing on the parameter servers
-    has its closure run again on another worker. TensorFlow has no
-    transaction over several variables (each write runs as soon as its own
-    inputs arrive), so "update, then mark it done" applied one closure twice
-    (measured: 126 steps after a 125-step job) and an atomic update is not
-    possible. `guarded` therefore marks first, then updates: a retry of a
-    marked closure applies nothing. The price is at-most-once: an update cut
-    off by its worker's death is lost, possibly with some of its writes
-    landed (like a gradient dropped, which asynchronous training tolerates),
-    and `lost` counts them.
-
-    `attempts[i]` counts the executions of closure `i` that started (more
-    than one: retried); `claimed[i]` is 1 once an attempt took the right to
-    update (never more, by construction); `completed[i]` is 1 once that
-    update's writes have all landed. `steps` counts the claimed closures on
-    top of the restored step: the Trainer's step.
-
-    Args:
-      strategy: the ParameterServerStrategy.
-      size: the number of closure ids (steps of the job).
-      steps: the job's step counter (int64 variable on the ps), shared by
-        the ledgers of successive `fit` calls.
-    """
-
-    def __init__(self, strategy, size: int, *, steps):
-        self.size = size
-        self.steps = steps
-
-        def counter(name):
-            return tf.Variable(tf.zeros([size], tf.int32), trainable=False,
-                               name=name)
-
-        with strategy.scope():
-            self.attempts = counter("closure_attempts")
-            self.claimed = counter("closure_claimed")
-            self.completed = counter("closure_completed")
-        with tf.device(self.claimed.device):
-            # A mutex on the ps: claim, update and completed mark of one
-            # closure are one step (a retry arriving meanwhile waits, then
-            # sees the claim), and the updates are serialised.
-            self._lock = tf.CriticalSection(name="closure_ledger")
-
-    def count_attempt(self, closure_id):
-        self.attempts.scatter_nd_add([[closure_id]], [1])
-
-    def guarded(self, closure_id, apply_fn, inputs, *, written):
-        """Runs `apply_fn(inputs)` unless closure `closure_id` claimed one.
-
-        Placed on the parameter server that holds the ledger. The claim
-        waits for every input (the gradients) to arrive there, so a worker
-        that dies before sending all of them leaves its closure unclaimed
-        for the retry.
-
-        Args:
-          closure_id: int32 scalar, the closure's id (its step).
-          apply_fn: the update, `apply_fn(inputs)`.
-          inputs: a nest of tensors (from the worker).
-          written: the variables `apply_fn` writes; their reads, which
-            tf.function orders after the writes, are what `completed`
-            waits for.
-
-        Returns:
-          bool scalar: whether this attempt applied the update.
-        """
-        with tf.device(self.claimed.device):
-            # Every input on this device BEFORE the claim is read.
-            # TensorFlow lowers tf.cond to Switch/Merge, whose branch ops
-            # each start as soon as their own input arrives.
-            arrived = [tf.identity(t) for t in
-                       tf.nest.flatten(inputs, expand_composites=True)]
-
-            def claim_and_apply():
-                with tf.control_dependencies(arrived):
-                    fresh = tf.equal(self.claimed[closure_id], 0)
-                take = tf.cast(fresh, tf.int32)
-                marks = [self.claimed.scatter_nd_add([[closure_id]], [take]),
-                         self.steps.assign_add(tf.cast(take, tf.int64),
-                                               read_value=False)]
-                # The branch waits for the predicate, so for the marks:
-                # the claim is set before any write of the update.
-                with tf.control_dependencies(marks):
-                    fresh = tf.identity(fresh)
-
-                def apply():
-                    apply_fn(inputs)
-                    with tf.control_dependencies(
-                            [tf.identity(v) for v in written]):
-                        done = self.completed.scatter_nd_add(
-                            [[closure_id]], [1])
-                    with tf.control_dependencies([done]):
-                        return tf.constant(True)
-
-                return tf.cond(fresh, apply, lambda: tf.constant(False))
-
-            # The section's lock is held until its output exists, which
-            # waits for the completed mark. Not exclusive: the model's
-            # variables are also read outside it (the forward pass), and
-            # `steps` is shared by the ledgers of later fits.
-            return self._lock.execute(claim_and_apply,
-                                      exclusive_resource_access=False)
-
-    def counts(self) -> dict:
-        """{"attempts", "claimed", "completed"}: arrays read from the ps."""
-        return {"attempts": self.attempts.numpy(),
-                "claimed": self.claimed.numpy(),
-                "completed": self.completed.numpy()}
-
-    @staticmethod
-    def lost(counts) -> int:
-        """Updates claimed but never completed (their worker died)."""
-        return int(np.sum(counts["claimed"]) - np.sum(counts["completed"]))
-
-
 def _reject_sharded(model):
     for variable in model.variables:
         if isinstance(getattr(variable, "value", None),
@@ -255,35 +100,6 @@ def _reject_sharded(model):
                 "reference'). Create the strategy without "
                 "`variable_partitioner`.")
 
-
-class RetryCounter:
-    """Counts the closures the coordinator put back in its queue to run
-    again after their worker failed.
-
-    TensorFlow has no public count of these; this wraps the `put_back` of
-    the coordinator's private closure queue (TF 2.21,
-    `cluster_coordinator._CoordinatedClosureQueue`). A retry whose first
-    attempt never started on its worker reaches no parameter server, so the
-    `ClosureLedger` alone would miss it. Without that private method the
-    count is None.
-    """
-
-    def __init__(self, coordinator):
-        self.count = 0
-        queue = getattr(getattr(coordinator, "_cluster", None),
-                        "closure_queue", None)
-        put_back = getattr(queue, "put_back", None)
-        self.available = callable(put_back)
-        if self.available and not getattr(put_back, "_tfmulti_counted",
-                                          False):
-            def counted(closure):
-                self.count += 1
-                return put_back(closure)
-            counted._tfmulti_counted = True
-            queue.put_back = counted
-
-    def value(self):
-        return self.count if self.available else None
 
 
 class _ChiefPreemption:
@@ -302,33 +118,38 @@ class _ChiefPreemption:
         return self._watcher.__exit__(*exc)
 
 
-class AsyncTraining:
-    """The asynchronous mode of a `tfmulti.Trainer` under
-    ParameterServerStrategy (the Trainer creates it; use the Trainer).
+class AsyncRunner(runner_lib.Runner):
+    """The runner of a `tfmulti.Trainer` under ParameterServerStrategy (the
+    Trainer creates it): per loop, `steps_per_loop` closures are scheduled,
+    then joined; only the chief runs the loop.
 
     Args:
-      trainer: the `Trainer` whose model, optimizer, loss, metrics, step
-        counter and `model_dir` this mode uses.
+      parts: the Trainer's `runner.Parts`.
+      model_dir: the Trainer's (named in error messages), or None.
+      warmup_steps: the Trainer's `async_warmup_steps` (None: the default).
     """
 
-    def __init__(self, trainer):
-        if trainer._options.grad_accum_steps != 1:
+    collective = False
+    history_keys = ("retried_closures", "reattempted_on_ps", "lost_updates")
+
+    def __init__(self, parts: runner_lib.Parts, *, model_dir, warmup_steps):
+        if parts.options.grad_accum_steps != 1:
             raise ValueError(
-                f"`grad_accum_steps` is {trainer._options.grad_accum_steps} "
+                f"`grad_accum_steps` is {parts.options.grad_accum_steps} "
                 "but under ParameterServerStrategy every step is applied on "
                 "its own, asynchronously. Use grad_accum_steps=1 and a larger "
                 "`global_batch_size`.")
-        _reject_sharded(trainer.model)
-        self._trainer = trainer
-        self.strategy = trainer.strategy
+        _reject_sharded(parts.model)
+        self.parts = parts
+        self.strategy = parts.strategy
+        self._model_dir = model_dir
         self.coordinator = parameter_server.coordinator(self.strategy)
-        self.retries = RetryCounter(self.coordinator)
-        self._watch = WorkerWatch(self.coordinator)
+        self.retries = coordinator_watch.RetryCounter(self.coordinator)
+        self._watch = coordinator_watch.WorkerWatch(self.coordinator)
         self._stall_timeout = parameter_server.stall_timeout(self.strategy)
         self._cluster = cluster_lib.of_strategy(self.strategy)
-        self.warmup_steps = (DEFAULT_WARMUP_STEPS if
-                             trainer._async_warmup_steps is None
-                             else trainer._async_warmup_steps)
+        self.warmup_steps = (DEFAULT_WARMUP_STEPS if warmup_steps is None
+                             else warmup_steps)
         with self.strategy.scope():
             # Closures claimed, counted inside the ledger's claim on the ps
             # (the Trainer's own count is a Python int, set from this).
@@ -411,34 +232,34 @@ class AsyncTraining:
     # Plain TensorFlow ops: AutoGraph has nothing to convert.
     @tf.autograph.experimental.do_not_convert
     def _gradients(self, batch, compute_loss):
-        trainer = self._trainer
-        variables = trainer.model.trainable_variables
+        parts = self.parts
+        variables = parts.model.trainable_variables
         x, y, sample_weight = step_lib.unpack_batch(batch)
         with tf.GradientTape() as tape:
             loss, y_pred = compute_loss(x, y, sample_weight)
-            scaled = trainer.optimizer.scale_loss(loss)
+            scaled = parts.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, variables)
-        for metric in trainer.metrics:
+        for metric in parts.metrics:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
         return loss, grads
 
     # Plain TensorFlow ops: AutoGraph has nothing to convert.
     @tf.autograph.experimental.do_not_convert
     def _apply(self, grads):
-        trainer = self._trainer
-        options = trainer._options
+        optimizer = self.parts.optimizer
+        options = self.parts.options
         # Sums a worker's local replicas (identity with one); never across
         # workers, which do not wait for one another.
         grads = gradients_lib.all_reduce_sum(grads,
                                              dtype=options.allreduce_dtype)
         if options.clip_global_norm is not None:
-            scale = tf.cast(trainer.optimizer.scale_loss(tf.constant(1.0)),
+            scale = tf.cast(optimizer.scale_loss(tf.constant(1.0)),
                             tf.float32)
             grads, _ = gradients_lib.clip_by_global_norm(
                 grads, options.clip_global_norm * scale)
-        variables = trainer.model.trainable_variables
+        variables = self.parts.model.trainable_variables
         if not self.warmup_steps:
-            trainer.optimizer.apply(grads, variables)
+            optimizer.apply(grads, variables)
             return
         # The warm-up scales what this update moves each weight by: for an
         # update that is the learning rate times a function of the
@@ -449,7 +270,7 @@ class AsyncTraining:
         fraction = tf.minimum(1.0, tf.cast(self.steps_done, tf.float32) /
                               float(self.warmup_steps))
         before = [tf.identity(v.value) for v in variables]
-        trainer.optimizer.apply(grads, variables)
+        optimizer.apply(grads, variables)
         for variable, old in zip(variables, before):
             variable.assign(old + tf.cast(fraction, variable.dtype) * (
                 variable.value - old))
@@ -457,12 +278,12 @@ class AsyncTraining:
     def _build_step(self, steps, global_batch_size):
         if self.ledger is not None and self.ledger.size == steps:
             return self._step_fn
-        self.ledger = ClosureLedger(self.strategy, steps,
-                                    steps=self.steps_done)
-        compute_loss = self._trainer._compute_loss_fn(global_batch_size)
+        self.ledger = closure_ledger.ClosureLedger(self.strategy, steps,
+                                                   steps=self.steps_done)
+        compute_loss = self.parts.compute_loss_fn(global_batch_size)
         strategy, ledger = self.strategy, self.ledger
-        written = [*self._trainer.model.trainable_variables,
-                   *self._trainer.optimizer.variables]
+        written = [*self.parts.model.trainable_variables,
+                   *self.parts.optimizer.variables]
 
         def apply(grads):
             # In cross-replica context: a conditional around an update that
@@ -483,14 +304,8 @@ class AsyncTraining:
         self._step_fn = step_fn
         return step_fn
 
-    # -- fit ----------------------------------------------------------------
-
-    def _sync_step(self) -> int:
-        self._trainer._steps_done = int(self.steps_done.numpy())
-        return self._trainer.step
-
     def _latest_checkpoint(self):
-        model_dir = self._trainer.model_dir
+        model_dir = self._model_dir
         return tf.train.latest_checkpoint(model_dir) if model_dir else None
 
     @staticmethod
@@ -528,152 +343,77 @@ class AsyncTraining:
             f"{self._resume_text(latest)}.",
             workers=addresses, step=step, checkpoint=latest)
 
-    def _join(self):
-        """`coordinator.join()`, bounded when every worker is lost.
+    # -- the Runner protocol ---------------------------------------------------
 
-        TensorFlow retries a failed worker's closures on the others and,
-        with none left, waits for one to return (up to an hour). With
-        every worker held failed for `stall_timeout_seconds` this raises
-        `WorkersLostError` instead.
-        """
-        if (self._stall_timeout is None or self._stall_timeout == math.inf
-                or not self._watch.available):
-            self.coordinator.join()
-            return
-        all_failed_since = None
-        # done() raises the closures' error, as join() does.
-        while not self.coordinator.done():
-            failed = self._watch.failed()
-            now = time.monotonic()
-            if len(failed) < self._watch.size:
-                all_failed_since = None
-            elif all_failed_since is None:
-                all_failed_since = now
-            elif now - all_failed_since >= self._stall_timeout:
-                raise self._workers_lost(failed, now - all_failed_since)
-            time.sleep(_JOIN_POLL_SECONDS)
-
-    def fit(self, train_data, **kwargs):
-        """See `Trainer.fit`; `steps_per_loop` closures are scheduled, then
-        joined, per loop (losses fetched, logs, evaluation, checkpoint).
-
-        Raises:
-          ParameterServerError: a parameter server died or is unreachable.
-        """
+    @contextlib.contextmanager
+    def guard(self):
+        """A lost parameter server, wherever in `fit` a read or write of a
+        variable reports it first, is a `ParameterServerError`."""
         self._last_step = None
         try:
-            return self._fit(train_data, **kwargs)
+            yield
         except _PS_ERRORS as e:
-            # Any read or write of a variable reports it, wherever in the
-            # loop it happens first.
             raise self._ps_error(e, self._last_step) from e
 
-    def _fit(self, train_data, *, steps, global_batch_size, eval_data,
-             eval_every, checkpoint_every, callbacks, actions, verbose,
-             seed=0):
-        trainer = self._trainer
+    def begin(self, train_data, global_batch_size) -> int:
         self._check_train_data(train_data, global_batch_size)
-        step_fn = self._build_step(steps, global_batch_size)
-        checkpointer = None
-        if trainer.model_dir:
-            checkpointer = checkpoints_lib.Checkpointer(
-                trainer.model_dir, self.strategy, model=trainer.model,
-                optimizer=trainer.optimizer)
-            position = checkpointer.restore()
-            if position is not None:
-                self.steps_done.assign(position.step)
-                self._sync_step()
-                if verbose:
-                    trainer._print(f"restored {checkpointer.restored_path} "
-                                   f"at step {trainer.step}")
-        try:
-            iterator = self._per_worker_iterator(
-                train_data, global_batch_size, seed,
-                examples_done=trainer.step * global_batch_size)
-            return self._loop(iterator, step_fn, checkpointer, steps=steps,
-                              global_batch_size=global_batch_size,
-                              eval_data=eval_data, eval_every=eval_every,
-                              checkpoint_every=checkpoint_every,
-                              callbacks=callbacks, actions=actions,
-                              verbose=verbose)
-        finally:
-            if checkpointer is not None:
-                checkpointer.close()  # the chief's model_dir lock
+        self._data = train_data
+        self.examples_per_step = global_batch_size
+        return global_batch_size
 
-    def _loop(self, iterator, step_fn, checkpointer, *, steps,
-              global_batch_size, eval_data, eval_every, checkpoint_every,
-              callbacks, actions, verbose):
-        # The synchronous Trainer's controller and actions: only the inner
-        # loop differs (closures scheduled and joined instead of one
-        # tf.function over the replicas).
-        trainer = self._trainer
-        callback_list = keras.callbacks.CallbackList(list(callbacks),
-                                                     model=trainer.model)
-        trainer.model.stop_training = False
-        history = {key: [] for key in (
-            "step", "loss", "step_loss", "steps_per_sec", "examples_per_sec",
-            "retried_closures", "reattempted_on_ps", "lost_updates",
-            *[m.name for m in trainer.metrics])}
+    def trackables(self) -> dict:
+        return dict(model=self.parts.model, optimizer=self.parts.optimizer)
 
-        def train_loop(start, n):
-            for metric in trainer.metrics:
-                metric.reset_state()
-            callback_list.on_train_batch_begin(start)
-            retried_before = self.retries.value()
-            began = time.perf_counter()
-            remote = [self.coordinator.schedule(step_fn, args=(
-                iterator, tf.constant(start + i, tf.int32)))
-                      for i in range(n)]
-            self._join()
-            losses = np.array([float(r.fetch()) for r in remote])
-            # Counted inside the ledger's claims on the ps: a closure
-            # applied twice would show here (history["step"]).
-            step = self._last_step = self._sync_step()
-            elapsed = time.perf_counter() - began
-            skipped = numerics.check_losses(
-                losses, first_step=start, on_nonfinite=numerics.mode_for(
-                    trainer.optimizer, trainer._on_nonfinite))
-            counts = self.ledger.counts()
-            logs = {"loss": float(losses.mean()),
-                    **{m.name: float(m.result()) for m in trainer.metrics}}
-            history["step"].append(step)
-            history["step_loss"].extend(losses.tolist())
-            history["retried_closures"].append(self.retries.value())
-            history["reattempted_on_ps"].append(
-                int(np.sum(counts["attempts"] > 1)))
-            lost_before = (history["lost_updates"] or [0])[-1]
-            history["lost_updates"].append(ClosureLedger.lost(counts))
-            logs_and_speed = {
-                **logs, "steps_per_sec": n / elapsed,
-                "examples_per_sec": n * global_batch_size / elapsed}
-            for key, value in logs_and_speed.items():
-                history[key].append(value)
-            if skipped:
-                trainer._print(f"skipped non-finite update(s) {skipped}")
-            if (verbose and self.retries.available and
-                    self.retries.value() > retried_before):
-                trainer._print(
-                    f"retried closures {self.retries.value()} (a worker "
-                    "failed; its closures ran again on the others)")
-            if history["lost_updates"][-1] > lost_before:
-                trainer._print(
-                    f"lost updates {history['lost_updates'][-1]} (a worker "
-                    "died while its update was landing on the parameter "
-                    "servers; none is applied twice)")
-            callback_list.on_train_batch_end(start + n - 1, logs)
-            return controller_lib.LoopResult(
-                step=start + n, steps=steps, at_end=False, losses=losses,
-                logs=logs_and_speed)
+    def restored(self, position, *, batch, missing):
+        self.steps_done.assign(position.step)
 
-        trainer._run_controller(
-            train_loop, callback_list, history, steps=steps,
-            eval_data=eval_data, eval_every=eval_every, actions=actions,
-            checkpointer=checkpointer, checkpoint_every=checkpoint_every,
-            batch=global_batch_size, verbose=verbose,
-            preemption_watcher=_ChiefPreemption(
-                getattr(trainer, "_preemption", None)))
-        callback_list.on_train_end(history)
-        return history
+    def prepare(self, *, step, steps, batch, verbose, seed=0):
+        self._verbose = verbose
+        self._step_fn = self._build_step(steps, batch)
+        self._iterator = self._per_worker_iterator(
+            self._data, batch, seed, examples_done=step * batch)
+        self._lost = 0
+
+    def run_loop(self, start, n):
+        for metric in self.parts.metrics:
+            metric.reset_state()
+        retried_before = self.retries.value()
+        remote = [self.coordinator.schedule(self._step_fn, args=(
+            self._iterator, tf.constant(start + i, tf.int32)))
+                  for i in range(n)]
+        # TensorFlow retries a failed worker's closures on the others and,
+        # with none left, waits for one to return (up to an hour): bounded
+        # by `stall_timeout_seconds` when every worker is lost.
+        coordinator_watch.join(self.coordinator, self._watch,
+                               self._stall_timeout, lost=self._workers_lost)
+        losses = np.array([float(r.fetch()) for r in remote])
+        # Counted inside the ledger's claims on the ps: a closure applied
+        # twice would show here (history["step"]).
+        step = self._last_step = int(self.steps_done.numpy())
+        counts = self.ledger.counts()
+        lost_before, self._lost = self._lost, closure_ledger.ClosureLedger.lost(
+            counts)
+        messages = []
+        if (self._verbose and self.retries.available and
+                self.retries.value() > retried_before):
+            messages.append(
+                f"retried closures {self.retries.value()} (a worker failed; "
+                "its closures ran again on the others)")
+        if self._lost > lost_before:
+            messages.append(
+                f"lost updates {self._lost} (a worker died while its update "
+                "was landing on the parameter servers; none is applied "
+                "twice)")
+        return runner_lib.LoopOutput(
+            step=step, losses=losses,
+            logs={m.name: float(m.result()) for m in self.parts.metrics},
+            history={"retried_closures": self.retries.value(),
+                     "reattempted_on_ps": int(np.sum(counts["attempts"] > 1)),
+                     "lost_updates": self._lost},
+            messages=messages)
+
+    def preemption(self, watcher):
+        return _ChiefPreemption(watcher)
 
     # -- evaluation ---------------------------------------------------------
 
@@ -693,18 +433,15 @@ class AsyncTraining:
                 "Under ParameterServerStrategy the chief evaluates: "
                 "`eval_data` should be a tf.data.Dataset of (x, y[, "
                 f"sample_weight]) batches, got {type(eval_data).__name__}.")
-        trainer = self._trainer
         if self._eval_fn is None:
             @tf.function
             def run_eval(dataset):
                 for batch in dataset:
-                    trainer._eval_step(batch)
+                    self.parts.eval_step(batch)
             self._eval_fn = run_eval
-        for metric in (trainer._eval_loss, *trainer.metrics):
-            metric.reset_state()
+        self.parts.reset_eval()
         try:
             self._eval_fn(eval_data)
         except _PS_ERRORS as e:
             raise self._ps_error(e, self._last_step) from e
-        return {m.name: float(m.result())
-                for m in (trainer._eval_loss, *trainer.metrics)}
+        return self.parts.eval_results()

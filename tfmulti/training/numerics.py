@@ -53,6 +53,23 @@ def skipping_optimizer(optimizer, on_nonfinite: str):
         optimizer, initial_scale=1.0, dynamic_growth_steps=_NEVER)
 
 
+def guarded_optimizer(optimizer, variables, *, strategy, mixed_precision,
+                      on_nonfinite: str):
+    """`optimizer` as the runners apply it: skipping non-finite updates
+    with `on_nonfinite="skip"`, with dynamic loss scaling under
+    "mixed_float16", built for `variables` under `strategy`."""
+    with strategy.scope():
+        optimizer = skipping_optimizer(optimizer, on_nonfinite)
+        if (mixed_precision == "mixed_float16" and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer)):
+            # Its finiteness check runs on the reduced gradients, so the
+            # skip decision is the same on every replica.
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        if not optimizer.built:
+            optimizer.build(variables)
+    return optimizer
+
+
 def mode_for(optimizer, on_nonfinite: str) -> str:
     """"skip" whenever `optimizer` is a LossScaleOptimizer: it already skips
     non-finite updates on every replica (float16 overflows are routine and

@@ -1,0 +1,63 @@
+"""The one restore: of the Trainer (every runner) and of Keras `fit`'s
+`tfmulti.keras.BackupAndRestore`.
+
+Every worker restores the newest intact checkpoint, the workers agree that
+it is the same one (an all-reduce of its position), the caller redoes what
+its way of training needs (`after`), and an elastic resume (another number
+of replicas or workers, another per-replica batch) is said in one line. Any
+error closes the checkpointer (its `model_dir` lock) before it propagates.
+"""
+
+from __future__ import annotations
+
+from tfmulti import cluster as cluster_lib
+from tfmulti.training import checkpoints as checkpoints_lib
+
+
+def position(strategy, step: int, batch: int, batches_per_step: int, *,
+             loss_finite: bool = True) -> checkpoints_lib.Position:
+    """The position a run of `strategy` saves after `step` updates of
+    `batches_per_step` global batches of `batch` examples."""
+    return checkpoints_lib.Position(
+        step=step, examples=step * batch * batches_per_step,
+        global_batch_size=batch, batches_per_step=batches_per_step,
+        num_replicas=strategy.num_replicas_in_sync,
+        num_workers=cluster_lib.of_strategy(strategy).num_workers,
+        loss_finite=loss_finite)
+
+
+def restore(checkpointer, strategy, *, collective=True, after=None):
+    """Restores `checkpointer`'s newest intact checkpoint.
+
+    Args:
+      checkpointer: a `checkpoints.Checkpointer` of what to restore.
+      strategy: its strategy.
+      collective: whether the workers restore together (False under a
+        parameter-server strategy, where only the chief restores).
+      after: `after(position)`, called once a checkpoint was restored and
+        agreed on (e.g. a replay of the batches the restored updates used).
+
+    Returns:
+      The restored `checkpoints.Position`, or None (nothing to restore).
+    """
+    try:
+        position = checkpointer.restore()
+        if collective and cluster_lib.of_strategy(strategy).num_workers > 1:
+            checkpoints_lib.check_workers_agree(strategy, position)
+        if position is not None and after is not None:
+            after(position)
+    except BaseException:
+        checkpointer.close()
+        raise
+    return position
+
+
+def restored_line(checkpointer, position, now, *, at: str = "",
+                  elastic_note: str = "") -> str:
+    """"restored PATH[at]" and, on an elastic resume, what changed from
+    `position` to `now` (the position the run would save now), then
+    `elastic_note`."""
+    changes = position.changes_to(now)
+    return (f"restored {checkpointer.restored_path}{at}" + (
+        f" (elastic resume: {'; '.join(changes)}{elastic_note})"
+        if changes else ""))
