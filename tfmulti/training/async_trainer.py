@@ -250,13 +250,9 @@ class AsyncRunner(runner_lib.Runner):
         options = self.parts.options
         # Sums a worker's local replicas (identity with one); never across
         # workers, which do not wait for one another.
-        grads = gradients_lib.all_reduce_sum(grads,
-                                             dtype=options.allreduce_dtype)
-        if options.clip_global_norm is not None:
-            scale = tf.cast(optimizer.scale_loss(tf.constant(1.0)),
-                            tf.float32)
-            grads, _ = gradients_lib.clip_by_global_norm(
-                grads, options.clip_global_norm * scale)
+        grads = gradients_lib.clip_scaled(
+            gradients_lib.all_reduce_sum(grads, dtype=options.allreduce_dtype),
+            optimizer, options.clip_global_norm)
         variables = self.parts.model.trainable_variables
         if not self.warmup_steps:
             optimizer.apply(grads, variables)

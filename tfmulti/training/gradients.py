@@ -98,6 +98,18 @@ def all_reduce_sum(grads, *, options=None, dtype=None):
     return out
 
 
+def clip_scaled(grads, optimizer, clip_norm):
+    """Clips REDUCED gradients that still carry `optimizer`'s loss scale
+    (a LossScaleOptimizer's, or `loss_scale_factor`) to the global norm
+    `clip_norm` of the unscaled gradients: at scale * clip_norm, so the
+    optimizer's own unscale in `apply` gives the clipped gradient. None:
+    unchanged. The one clipping of every runner's update."""
+    if clip_norm is None:
+        return grads
+    scale = tf.cast(optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+    return clip_by_global_norm(grads, clip_norm * scale)[0]
+
+
 def clip_by_global_norm(grads, clip_norm):
     """Clips `grads` jointly so that their global norm is at most `clip_norm`.
 

@@ -237,13 +237,9 @@ class TrainStep:
             # Ordered after the reads above by automatic control deps.
             for acc in self._accumulators:
                 acc.assign(tf.zeros_like(acc))
-        grads = self.reducer.reduce(grads)
-        clip = self._options.clip_global_norm
-        if clip is not None:
-            # The gradients still carry the loss scale: clip at scale * clip.
-            scale = tf.cast(self._optimizer.scale_loss(tf.constant(1.0)),
-                            tf.float32)
-            grads, _ = gradients_lib.clip_by_global_norm(grads, clip * scale)
+        grads = gradients_lib.clip_scaled(self.reducer.reduce(grads),
+                                          self._optimizer,
+                                          self._options.clip_global_norm)
         if self._sharding is not None:
             self._sharding.apply(grads)
         else:
