@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfmulti.pipeline import model as model_lib
 from tfmulti.pipeline import unsupported
 from tfmulti.training import step as step_lib
+from tfmulti.training import synchronous
 
 
 def is_pipelined(model) -> bool:
@@ -160,3 +161,43 @@ class PipelineRunner:
 
     def after_restore(self) -> None:
         self.pipe.sync_after_restore()
+
+    def trainer_runner(self, parts, **options):
+        """The Trainer's runner for this pipeline (`parts` and `options`:
+        as `synchronous.SynchronousRunner` takes them)."""
+        return PipelinedRunner(self, parts, **options)
+
+
+class PipelinedRunner(synchronous.SynchronousRunner):
+    """The synchronous runner (data, restore, loop, evaluation) with the
+    pipeline's step, its stage-by-stage forward pass, its optimizer in the
+    unsplit optimizer's checkpoint format, and its stages re-synced after a
+    restore. No weight check: the pipelined step has its own loop.
+
+    Args:
+      pipeline: the model's `PipelineRunner`.
+      parts, options: as `synchronous.SynchronousRunner` takes them.
+    """
+
+    def __init__(self, pipeline: PipelineRunner, parts, **options):
+        super().__init__(parts, **options)
+        self.pipeline = pipeline
+        self.weight_check = None
+        self.forward = pipeline.forward
+
+    def _train_fn(self, batch):
+        if batch not in self.loops:
+            self.loops[batch] = self.pipeline.train_loop(
+                batch, metrics=self.parts.metrics)
+        return self.loops[batch]
+
+    def trackables(self) -> dict:
+        return {**super().trackables(),
+                "optimizer": self.pipeline.optimizer_view}
+
+    def worker_state(self):
+        return None
+
+    def restored(self, position, *, batch, missing):
+        self.pipeline.after_restore()
+        super().restored(position, batch=batch, missing=missing)

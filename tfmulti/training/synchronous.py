@@ -3,9 +3,10 @@ together (Mirrored, MultiWorkerMirrored, TPU, one device).
 
 Per loop, one `tf.function` of `steps_per_loop` `TrainStep`s (one explicit
 gradient reduction per update through the reducer: an all-reduce, local SGD
-or PowerSGD), the losses and metrics read once at its end. A pipelined
-model plugs its own step in (`tfmulti/pipeline/runner.py`); a balanced run
-feeds every replica its measured share (`balancing`).
+or PowerSGD), the losses and metrics read once at its end. A balanced run
+feeds every replica its measured share (`balancing`). A pipelined model's
+runner is this one with the pipeline's step, forward pass and checkpoint
+format (`tfmulti/pipeline/runner.py`).
 """
 
 from __future__ import annotations
@@ -30,19 +31,16 @@ class SynchronousRunner(runner_lib.Runner):
       steps_per_loop: steps per `tf.function` call (agreed by the workers).
       jit_compile: XLA for each replica's forward and backward.
       balancer: a `balancing.Balancer`, or None (an even split).
-      pipeline: a pipelined model's part (`pipeline.runner.PipelineRunner`)
-        or None.
     """
 
     optional = ("iterator",)
 
     def __init__(self, parts: runner_lib.Parts, *, reducer, steps_per_loop,
-                 jit_compile, balancer=None, pipeline=None):
+                 jit_compile, balancer=None):
         self.parts = parts
         self.strategy = parts.strategy
         self.reducer = reducer
         self.balancer = balancer
-        self.pipeline = pipeline
         self._steps_per_loop = steps_per_loop
         self._jit_compile = jit_compile
         # Train functions by global batch: one trace per batch size.
@@ -50,11 +48,13 @@ class SynchronousRunner(runner_lib.Runner):
         self._eval_fn = None
         # NaN weights after finite losses stop training; and evidence for
         # a non-finite loss's message (numerics.likely_cause). Skipping
-        # never writes NaN; a pipeline has its own loop.
+        # never writes NaN.
         self.weight_check = numerics.WeightCheck(
             parts.model.trainable_variables) if (
                 numerics.mode_for(parts.optimizer, parts.on_nonfinite) ==
-                "raise" and pipeline is None) else None
+                "raise") else None
+        # The model's output in evaluation (None: the model, inference).
+        self.forward = None
         # The last `train_data` given to fit, its iterator and global batch:
         # the same object given again continues where it stopped.
         self._source = self.iterator = self._batch = None
@@ -131,23 +131,18 @@ class SynchronousRunner(runner_lib.Runner):
 
     def trackables(self) -> dict:
         parts = self.parts
-        trackables = dict(model=parts.model, optimizer=parts.optimizer if (
-            self.pipeline is None) else self.pipeline.optimizer_view,
-            **self.reducer.trackables())
+        trackables = dict(model=parts.model, optimizer=parts.optimizer,
+                          **self.reducer.trackables())
         if compat.is_trackable(self.iterator):
             trackables["iterator"] = self.iterator
         return trackables
 
     def worker_state(self):
-        if self.pipeline is not None:
-            return None
         return worker_state_lib.for_training(
             self.strategy, self.reducer, self.parts.model,
             self.parts.optimizer)
 
     def restored(self, position, *, batch, missing):
-        if self.pipeline is not None:
-            self.pipeline.after_restore()
         saved = "iterator" in self.trackables() and "iterator" not in missing
         if self._fresh and not saved:
             # Distributed iterators cannot be checkpointed: replay the
@@ -161,10 +156,8 @@ class SynchronousRunner(runner_lib.Runner):
     # -- training -------------------------------------------------------------
 
     def _train_fn(self, batch):
+        """`train(iterator, num_steps)` for global batch `batch`."""
         parts = self.parts
-        if batch not in self.loops and self.pipeline is not None:
-            self.loops[batch] = self.pipeline.train_loop(
-                batch, metrics=parts.metrics)
         if batch not in self.loops:
             train_step = step_lib.TrainStep(
                 self.strategy, parts.model, parts.optimizer,
@@ -236,7 +229,7 @@ class SynchronousRunner(runner_lib.Runner):
             eval_data = self.strategy.experimental_distribute_dataset(
                 eval_data)
         if self._eval_fn is None:
-            forward = None if self.pipeline is None else self.pipeline.forward
+            forward = self.forward
 
             @tf.function
             def run_eval(iterator):

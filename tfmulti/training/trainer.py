@@ -141,11 +141,12 @@ class Trainer:
             asynchronous=asynchronous, jit_compile=jit_compile)
         self.runner = async_trainer.AsyncRunner(
             parts, model_dir=model_dir, warmup_steps=warmup) if (
-                asynchronous) else synchronous.SynchronousRunner(
-                    parts, reducer=self._reducer,
-                    steps_per_loop=self._steps_per_loop,
-                    jit_compile=jit_compile, balancer=balancer,
-                    pipeline=pipeline)
+                asynchronous) else (
+                    synchronous.SynchronousRunner if pipeline is None
+                    else pipeline.trainer_runner)(
+                        parts, reducer=self._reducer, balancer=balancer,
+                        steps_per_loop=self._steps_per_loop,
+                        jit_compile=jit_compile)
 
     @property
     def step(self) -> int:
@@ -323,8 +324,6 @@ class Trainer:
         runner.finish(step=self.step)
         callback_list.on_train_end(history.values)
         return history.values
-
-    # -- evaluation -------------------------------------------------------
 
     def evaluate(self, eval_data) -> dict:
         """Loss and metrics over `eval_data`, each example counted once.
