@@ -32,7 +32,7 @@ import tempfile
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
-from tfmulti import compat, watchdog
+from tfmulti import compat
 from tfmulti.rundir import worker_temp_dir
 from tfmulti.training import model_dir_lock, numerics
 
@@ -424,32 +424,3 @@ def check_writable(model_dir: str) -> None:
             f"`model_dir` {model_dir!r} is not a writable directory "
             f"({e.strerror or e}). Pass a directory this process (the chief) "
             "can create and write, on storage every worker can read.") from e
-
-
-def check_workers_agree(strategy, position: Position | None) -> None:
-    """Raises unless every worker restored the same position.
-
-    One all-reduce: the positions agree iff their variance over the
-    replicas is zero (ReduceOp has no MIN/MAX); float64 keeps it exact.
-    Call on every worker at the same point.
-    """
-    position = position or Position()
-    values = [position.step, position.epoch or 0, position.batch or 0]
-    local = tf.constant([1.0] + values + [v * v for v in values],
-                        tf.float64)
-
-    @tf.function
-    def all_sums():
-        return strategy.run(lambda: tf.distribute.get_replica_context(
-        ).all_reduce(tf.distribute.ReduceOp.SUM, local))
-
-    with watchdog.calling(strategy, all_sums):
-        sums = strategy.experimental_local_results(all_sums())[0].numpy()
-    n, firsts, squares = sums[0], sums[1:4], sums[4:]
-    if any(n * s != f * f for f, s in zip(firsts, squares)):
-        raise RuntimeError(
-            f"This worker would resume at step {position.step} (epoch "
-            f"{position.epoch}, batch {position.batch}), but the {n:.0f} "
-            f"replicas average step {firsts[0] / n:g}: the workers do not "
-            "read the same checkpoint. Put `model_dir` on a filesystem "
-            "every worker can read (NFS, GCS, ...).")

@@ -10,7 +10,10 @@ error closes the checkpointer (its `model_dir` lock) before it propagates.
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tfmulti import cluster as cluster_lib
+from tfmulti import watchdog
 from tfmulti.training import checkpoints as checkpoints_lib
 
 
@@ -43,7 +46,7 @@ def restore(checkpointer, strategy, *, collective=True, after=None):
     try:
         position = checkpointer.restore()
         if collective and cluster_lib.of_strategy(strategy).num_workers > 1:
-            checkpoints_lib.check_workers_agree(strategy, position)
+            check_workers_agree(strategy, position)
         if position is not None and after is not None:
             after(position)
     except BaseException:
@@ -61,3 +64,33 @@ def restored_line(checkpointer, position, now, *, at: str = "",
     return (f"restored {checkpointer.restored_path}{at}" + (
         f" (elastic resume: {'; '.join(changes)}{elastic_note})"
         if changes else ""))
+
+
+def check_workers_agree(strategy,
+                        position: checkpoints_lib.Position | None) -> None:
+    """Raises unless every worker restored the same position.
+
+    One all-reduce: the positions agree iff their variance over the
+    replicas is zero (ReduceOp has no MIN/MAX); float64 keeps it exact.
+    Call on every worker at the same point.
+    """
+    position = position or checkpoints_lib.Position()
+    values = [position.step, position.epoch or 0, position.batch or 0]
+    local = tf.constant([1.0] + values + [v * v for v in values],
+                        tf.float64)
+
+    @tf.function
+    def all_sums():
+        return strategy.run(lambda: tf.distribute.get_replica_context(
+        ).all_reduce(tf.distribute.ReduceOp.SUM, local))
+
+    with watchdog.calling(strategy, all_sums):
+        sums = strategy.experimental_local_results(all_sums())[0].numpy()
+    n, firsts, squares = sums[0], sums[1:4], sums[4:]
+    if any(n * s != f * f for f, s in zip(firsts, squares)):
+        raise RuntimeError(
+            f"This worker would resume at step {position.step} (epoch "
+            f"{position.epoch}, batch {position.batch}), but the {n:.0f} "
+            f"replicas average step {firsts[0] / n:g}: the workers do not "
+            "read the same checkpoint. Put `model_dir` on a filesystem "
+            "every worker can read (NFS, GCS, ...).")
