@@ -148,24 +148,10 @@ def _trainer(strategy, dataset, build, steps, steps_per_loop, *, name,
                                                         reduction=None))
     data = strategy.experimental_distribute_dataset(dataset)
     trainer.fit(data, steps=LOOP, verbose=0)
-    ends = []
-    clock = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: ends.append(
-            (batch, time.perf_counter())))
-
-    def timed():
-        ends.clear()
-        began = time.perf_counter()
-        # `steps` is the total to reach: train `steps` more.
-        trainer.fit(data, steps=trainer.step + steps, verbose=0,
-                    callbacks=[clock])
-        elapsed = time.perf_counter() - began
-        figures = {name: steps / elapsed}
-        if steps_per_loop == LOOP:
-            (first, t0), (last, t1) = ends[0], ends[-1]
-            figures[f"{name}_steady"] = (last - first) / (t1 - t0)
-        return figures
-    return timed
+    # `steps` is the total to reach: train `steps` more.
+    return _timed(lambda clock: trainer.fit(
+        data, steps=trainer.step + steps, verbose=0, callbacks=[clock]),
+        name=name, steps=steps, steady=steps_per_loop == LOOP)
 
 
 def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
@@ -190,6 +176,17 @@ def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
     if tfmulti_fit:
         model = tfmulti.keras.distributed(model)
     model.fit(dataset, epochs=1, steps_per_epoch=LOOP, verbose=0)
+    return _timed(lambda clock: model.fit(
+        dataset, epochs=1, steps_per_epoch=steps, verbose=0,
+        callbacks=[clock]), name=name, steps=steps, steady=True)
+
+
+def _timed(fit, *, name, steps, steady):
+    """`timed()` -> {name: steps/s of the whole `fit(clock)` call, and with
+    `steady`, name_steady: steps/s from the end of its first train-function
+    call to its last (the rate of a long run)}."""
+    import keras
+
     ends = []
     clock = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: ends.append(
@@ -198,12 +195,13 @@ def _keras_fit(strategy, dataset, build, steps, *, name, tfmulti_fit=False):
     def timed():
         ends.clear()
         began = time.perf_counter()
-        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0,
-                  callbacks=[clock])
+        fit(clock)
         elapsed = time.perf_counter() - began
-        (first, t0), (last, t1) = ends[0], ends[-1]
-        return {name: steps / elapsed,
-                f"{name}_steady": (last - first) / (t1 - t0)}
+        figures = {name: steps / elapsed}
+        if steady:
+            (first, t0), (last, t1) = ends[0], ends[-1]
+            figures[f"{name}_steady"] = (last - first) / (t1 - t0)
+        return figures
     return timed
 
 
