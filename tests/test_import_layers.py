@@ -18,8 +18,9 @@ PACKAGE = ROOT / "tfmulti"
 
 # Top to bottom; a prefix names a module or a whole subpackage.
 LAYERS = (
-    ("base", ("compat", "devices", "cluster", "startup", "startup_watchdog",
-              "watchdog", "rundir", "progress", "exit_codes",
+    ("base", ("compat", "devices", "scheduler_env", "cluster", "startup",
+              "startup_watchdog", "watchdog", "rundir", "progress",
+              "exit_codes",
               "quiet_logging", "reaper", "schedules", "replica_statistics",
               "balance")),
     ("strategies", ("strategies", "parameter_server", "initial_values",
