@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 from typing import Callable
 
@@ -26,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmulti import compat
-from tfmulti.data import finiteness
+from tfmulti.data import eval_padding, finiteness
 from tfmulti.data import service as service_lib
 from tfmulti.data import sharding as sharding_lib
 
@@ -277,46 +276,6 @@ def _shard(dataset_fn, input_context, service=None):
     return dataset, sharding_lib.sizes_by_element(n, pipelines)
 
 
-def _zeros_like(dataset):
-    """One all-zeros element shaped like `dataset`'s elements."""
-    spec = dataset.element_spec
-    if all(s.shape.is_fully_defined() for s in tf.nest.flatten(spec)):
-        return tf.data.Dataset.from_tensors(tf.nest.map_structure(
-            lambda s: tf.zeros(s.shape, s.dtype), spec))
-    # Shapes known only per element (e.g. images before a resizing map_fn
-    # that the user left out): take them from the first element.
-    return dataset.take(1).map(
-        lambda *e: tf.nest.map_structure(tf.zeros_like, e))
-
-
-def _with_weight(features, label):
-    return features, label, tf.constant(1.0, tf.float32)
-
-
-def _eval_padding(dataset, sizes, *, pipeline_id, step_examples,
-                  drop_remainder, like=None):
-    """Pads (or truncates) this pipeline to the same number of full steps.
-
-    `like` (default `dataset`) gives the padding's shapes: the local
-    pipeline when `dataset` comes from the data service.
-    """
-    if drop_remainder:
-        steps = min(sizes) // step_examples
-        if steps == 0:
-            raise ValueError(
-                f"`drop_remainder`=True in evaluation leaves nothing: the "
-                f"smallest input pipeline has {min(sizes)} examples, fewer "
-                f"than one step of {step_examples} on its replicas. Use "
-                "drop_remainder=None (pad and mask) or a smaller "
-                "`global_batch_size`.")
-        return dataset.take(steps * step_examples).map(_with_weight)
-    steps = math.ceil(max(sizes) / step_examples)
-    padding = steps * step_examples - sizes[pipeline_id]
-    zeros = _zeros_like(dataset if like is None else like).map(
-        lambda f, l: (f, l, tf.constant(0.0, tf.float32)))
-    return dataset.map(_with_weight).concatenate(zeros.repeat(padding))
-
-
 def build_pipeline(dataset_fn: Callable, input_context:
                    tf.distribute.InputContext, options: PipelineOptions
                    ) -> tf.data.Dataset:
@@ -393,7 +352,7 @@ def build_pipeline(dataset_fn: Callable, input_context:
             dataset = dataset.repeat()
     if not options.training:
         replicas_here = input_context.num_replicas_in_sync // pipelines
-        dataset = _eval_padding(
+        dataset = eval_padding.pad_to_steps(
             dataset, sizes, pipeline_id=pipeline_id,
             step_examples=replicas_here * per_replica,
             drop_remainder=options.drop_remainder, like=local)
@@ -484,16 +443,5 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     if training:
         return finiteness.mark_endless(distributed)
     compat.set_global_steps(distributed, strategy)
-    setattr(distributed, _PADDING_MASK, True)
+    eval_padding.mark(distributed)
     return distributed
-
-
-# Marks the evaluation stream of `distribute_dataset`, whose sample weights
-# are the padding mask and not a user's weights.
-_PADDING_MASK = "_tfmulti_padding_mask"
-
-
-def has_padding_mask(data) -> bool:
-    """Whether `data` is an evaluation stream of `distribute_dataset`: its
-    sample weights are 1 for a real example and 0 for padding."""
-    return getattr(data, _PADDING_MASK, False)

@@ -32,7 +32,7 @@ import tensorflow as tf
 from tfmulti import compat, peer_failure, watchdog
 from tfmulti import strategies
 from tfmulti.data import finiteness
-from tfmulti.data import pipeline
+from tfmulti.data import eval_padding
 from tfmulti.training import agreement
 from tfmulti.training import communication as communication_lib
 from tfmulti.training import data_checks
@@ -647,7 +647,7 @@ def _evaluate(model, x=None, *args, **kwargs):
         data_checks.check_not_empty(x, arg=state.eval_arg,
                                     purpose="evaluate")
     state.eval_batches = 0
-    state.eval_masked = pipeline.has_padding_mask(x)
+    state.eval_masked = eval_padding.has_padding_mask(x)
     # Between local-SGD synchronisations: on the workers' mean weights.
     with (state.reducer.evaluation_weights() if state.reducer is not None
           else contextlib.nullcontext()):
