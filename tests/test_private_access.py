@@ -22,21 +22,21 @@ PRIVATE_MODULES = ("tensorflow.python", "keras.src")
 
 # (module path, private name or module): still outside compat.py.
 KNOWN = {
-    ("tfmulti/cluster.py", "tensorflow.python.distribute.cluster_resolver"),
     ("tfmulti/keras/fit.py", "_aggregate_additional_loss"),
     ("tfmulti/keras/fit.py", "_symbolic_build"),
     ("tfmulti/keras/fit_input.py", "_compile_loss"),
     ("tfmulti/keras/fit_input.py", "_compile_metrics"),
     ("tfmulti/keras/fit_input.py", "_flatten_layers"),
-    ("tfmulti/pipeline/model.py", "_flatten_layers"),
+    ("tfmulti/pipeline/options.py", "_flatten_layers"),
     ("tfmulti/pipeline/placement.py", "_initialize"),
     ("tfmulti/pipeline/split.py", "_keras_history"),
     ("tfmulti/pipeline/split.py", "_nodes_by_depth"),
+    ("tfmulti/scheduler_env.py", "tensorflow.python.distribute.cluster_resolver"),
     ("tfmulti/strategies.py", "tensorflow.python.distribute"),
-    ("tfmulti/training/coordinator_watch.py", "_is_dead_with_error"),
     ("tfmulti/training/async_trainer.py", "tensorflow.python.distribute"),
     ("tfmulti/training/communication.py", "_replica_id"),
     ("tfmulti/training/communication.py", "tensorflow.python.distribute"),
+    ("tfmulti/training/coordinator_watch.py", "_is_dead_with_error"),
     ("tfmulti/training/xla.py", "_flatten_layers"),
     ("tfmulti/watchdog.py", "tensorflow.python.eager"),
 }
