@@ -179,10 +179,11 @@ class PipelinedRunner(synchronous.SynchronousRunner):
       parts, options: as `synchronous.SynchronousRunner` takes them.
     """
 
+    checks_weights = False
+
     def __init__(self, pipeline: PipelineRunner, parts, **options):
         super().__init__(parts, **options)
         self.pipeline = pipeline
-        self.weight_check = None
         self.forward = pipeline.forward
 
     def _train_fn(self, batch):

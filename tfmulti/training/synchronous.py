@@ -34,6 +34,9 @@ class SynchronousRunner(runner_lib.Runner):
     """
 
     optional = ("iterator",)
+    # Whether the loop records the weights' finiteness (a subclass whose
+    # step has its own loop says False).
+    checks_weights = True
 
     def __init__(self, parts: runner_lib.Parts, *, reducer, steps_per_loop,
                  jit_compile, balancer=None):
@@ -50,7 +53,7 @@ class SynchronousRunner(runner_lib.Runner):
         # a non-finite loss's message (numerics.likely_cause). Skipping
         # never writes NaN.
         self.weight_check = numerics.WeightCheck(
-            parts.model.trainable_variables) if (
+            parts.model.trainable_variables) if self.checks_weights and (
                 numerics.mode_for(parts.optimizer, parts.on_nonfinite) ==
                 "raise") else None
         # The model's output in evaluation (None: the model, inference).
