@@ -10,14 +10,17 @@ differs: how its data becomes an iterator, one loop of updates, what its
 checkpoint holds, what a restore must redo, and evaluation.
 
 Three runners: `synchronous.SynchronousRunner` (`TrainStep` under any
-synchronous strategy, the compiled loop, the reducer; a pipelined model
-plugs its own step into it), `async_trainer.AsyncRunner` (closures on a
-parameter-server job). A model that brings its own way of training (a
+synchronous strategy, the compiled loop, the reducer),
+`async_trainer.AsyncRunner` (closures on a parameter-server job) and
+`pipeline.runner.PipelinedRunner` (the synchronous runner with a pipeline's
+step). A model that brings its own way of training (a
 `tfmulti.pipeline.PipelinedModel`) is found through `register_model_runner`:
 the Trainer sits below the packages that define such models (the layer order
 in README's "Layout" section), so a package registers, at its import, a
-predicate for its models and the factory of their part; a model of that
-kind cannot exist before its package is imported.
+predicate for its models and the factory of their part (which gives the
+Trainer the model, optimizer and loss, and `trainer_runner(parts,
+**options)`, the runner); a model of that kind cannot exist before its
+package is imported.
 """
 
 from __future__ import annotations
