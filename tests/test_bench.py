@@ -253,9 +253,14 @@ def test_recipe_rows_are_the_recipe_command_lines_judged_by_interval():
                      "2": run(0.85, 800)},
             "local_sgd_h8": {"0": run(0.899, 100), "1": run(0.795, 100),
                              "2": run(0.848, 100)},
+            "sync_9_epochs": {"0": run(0.95, 2400), "1": run(0.85, 2400)},
             "parameter_server": {"0": run(0.50, 0), "1": run(0.40, 0),
                                  "2": {"error": "exit 1: ..."}}}
     rows = rc.summarize(runs)
+    # Parameter servers (9 epochs by default) against synchronous training
+    # of the same length, not the 3-epoch row.
+    assert rows["parameter_server"]["gap_points"] == pytest.approx([45, 45])
+    assert "gap_points" not in rows["sync_9_epochs"]
     h8 = rows["local_sgd_h8"]
     assert h8["gap_points"] == pytest.approx([0.1, 0.5, 0.2])
     assert h8["fewer_bytes_than_sync"] == 8.0

@@ -85,7 +85,8 @@ def test_other_strategies_refuse_ps_tasks():
         tfmulti.create_strategy("multi_worker", cluster=config)
 
 
-def test_async_warmup_is_the_default_and_only_for_parameter_servers():
+def test_async_warmup_is_the_default_and_only_for_parameter_servers(
+        monkeypatch):
     import tfmulti
     from tests.test_recipes import _parse
     from tfmulti import experiment
@@ -101,9 +102,26 @@ def test_async_warmup_is_the_default_and_only_for_parameter_servers():
     # Shorter than the run measured within 2 points of synchronous: says
     # so, naming the flags.
     assert length.startswith("asynchronous: 300 updates may be too few") \
-        and length.endswith("pass --epochs=9 (or --steps=1404) or more.")
+        and length.endswith("pass --epochs=9 (the default) or more.")
     assert experiment._length_notes(config, None, 1404, True) == [
         warmup.replace("of 300", "of 1404")]
+    # Left to its default, the length is the measured one, and said so.
+    assert config.epochs is None
+    assert experiment.with_default_epochs(config).epochs == 9
+    assert experiment.with_default_epochs(_parse()).epochs == 3
+    assert experiment.with_default_epochs(
+        _parse("--strategy=parameter_server", "--epochs=2")).epochs == 2
+    defaulted = experiment._length_notes(
+        experiment.with_default_epochs(config), None, 1404, True, True)[1]
+    assert defaulted == (
+        "asynchronous: 9 epochs (1404 updates) by default, 3 for synchronous "
+        "strategies: stale workers need more updates to match synchronous "
+        "training; --epochs or --steps sets the length.")
+    # "auto" in a cluster with parameter servers is asynchronous too.
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {**_cluster(chief=1, worker=2, ps=1),
+         "task": {"type": "chief", "index": 0}}))
+    assert experiment.with_default_epochs(_parse()).epochs == 9
     assert "first 0 of" in experiment._length_notes(
         _parse("--strategy=parameter_server", "--async_warmup_steps=0"),
         None, 300, True)[0]

@@ -79,8 +79,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                         "(default: $TFMULTI_DATA_SERVICE, else local).", **fv)
     flags.DEFINE_integer("global_batch_size", 128, "Examples per step over "
                          "all replicas.", lower_bound=1, **fv)
-    flags.DEFINE_integer("epochs", 3, "Passes over the training split.",
-                         lower_bound=1, **fv)
+    flags.DEFINE_integer("epochs", None, "Passes over the training split "
+                         "(default: 3; 9 with parameter servers, whose stale "
+                         "updates need more).", lower_bound=1, **fv)
     flags.DEFINE_integer("steps", None, "Train to this step instead of "
                          "--epochs (with --resume, a larger value trains a "
                          "run longer).", lower_bound=1, **fv)

@@ -38,7 +38,14 @@ ROWS = {
                          2.0),
     "pipeline": (("--cpu_replicas=2", "--pipeline_stages=2",
                   "--micro_batches=4"), None, None),
+    # Synchronous training as long as a parameter-server run's default
+    # (experiment.ASYNC_DEFAULT_EPOCHS): its reference.
+    "sync_9_epochs": (("--epochs=9",), (), None),
 }
+# The synchronous row each row is compared with (else "sync"): the same
+# run length at the defaults.
+REFERENCE = {"parameter_server": "sync_9_epochs"}
+REFERENCES = {"sync", *REFERENCE.values()}
 
 
 def command(row: str, *, seed: int, steps: int | None, model_dir: str,
@@ -87,9 +94,9 @@ def summarize(runs: dict) -> dict:
       runs: {row: {seed (str): {"accuracy", "inter_worker_bytes",
         "seconds"} or {"error"}}}.
     """
-    sync = runs.get("sync", {})
     rows = {}
     for row, by_seed in runs.items():
+        sync = runs.get(REFERENCE.get(row, "sync"), {})
         ok = {s: r for s, r in by_seed.items() if "error" not in r}
         entry = {"command_flags": list(ROWS[row][0]),
                  "launch_flags": (["(one process)"] if ROWS[row][1] is None
@@ -104,14 +111,15 @@ def summarize(runs: dict) -> dict:
         paired = [100 * (sync[s]["accuracy"] - r["accuracy"])
                   for s, r in ok.items() if s in sync and
                   "error" not in sync[s]]
-        if row != "sync" and paired:
+        reference = row in REFERENCES
+        if not reference and paired:
             mean, low, high = interval(paired)
             entry.update(gap_points=paired, gap_mean=mean, gap_low=low,
                          gap_high=high, paired_seeds=len(paired))
         sync_bytes = [sync[s].get("inter_worker_bytes") for s in ok
                       if s in sync and "error" not in sync[s]]
         own = [r.get("inter_worker_bytes") for r in ok.values()]
-        if row != "sync" and sync_bytes and all(own) and all(sync_bytes):
+        if not reference and sync_bytes and all(own) and all(sync_bytes):
             entry["fewer_bytes_than_sync"] = (sum(sync_bytes) / len(
                 sync_bytes)) / (sum(own) / len(own))
         rows[row] = entry
@@ -156,7 +164,7 @@ def markdown(result: dict) -> list[str]:
                f"{e['gap_high']:+.2f}]" if "gap_mean" in e else "-")
         fewer = (f"{e['fewer_bytes_than_sync']:.1f}x"
                  if "fewer_bytes_than_sync" in e else
-                 "1.0x" if row == "sync" else "n/a")
+                 "1.0x" if row in REFERENCES else "n/a")
         secs = list(e["seconds"].values())
         wall = f"{sum(secs) / len(secs):.0f}" if secs else "-"
         flags = " ".join(e["launch_flags"] + e["command_flags"]) or "(none)"
