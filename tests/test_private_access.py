@@ -22,8 +22,8 @@ PRIVATE_MODULES = ("tensorflow.python", "keras.src")
 
 # (module path, private name or module): still outside compat.py.
 KNOWN = {
-    ("tfmulti/keras/fit.py", "_aggregate_additional_loss"),
-    ("tfmulti/keras/fit.py", "_symbolic_build"),
+    ("tfmulti/keras/replica_loss.py", "_aggregate_additional_loss"),
+    ("tfmulti/keras/fit_input.py", "_symbolic_build"),
     ("tfmulti/keras/fit_input.py", "_compile_loss"),
     ("tfmulti/keras/fit_input.py", "_compile_metrics"),
     ("tfmulti/keras/fit_input.py", "_flatten_layers"),

@@ -135,3 +135,35 @@ def needs_symbolic_build(model) -> bool:
             or (model._compile_loss is not None
                 and not model._compile_loss.built)
             or (model.optimizer is not None and not model.optimizer.built))
+
+
+def _spec_batch(element_spec):
+    """One replica's batch spec: shapes and dtypes, no data."""
+    return tf.nest.map_structure(
+        lambda spec: getattr(spec, "_value_specs", (spec,))[0], element_spec)
+
+
+def maybe_symbolic_build(model, fit_input, iterator=None, data_batch=None):
+    """Keras's symbolic build, only when something is left to build, and
+    from the data's spec instead of a real batch.
+
+    Keras 3.15's TF trainer reads one batch from a fresh iterator of the
+    data (all-reducing it eagerly across workers), builds from it and drops
+    the iterator, at every `fit` and `evaluate`, even when everything is
+    built: each such iterator costs 0.2-1 s, its prefetching is cancelled
+    ("Local rendezvous is aborting with status: CANCELLED"), a cache being
+    filled is discarded ("did not fully read the dataset being cached"), and
+    the eager reduction warns that the strategy is used eagerly. Only shapes
+    and dtypes are needed, and the distributed dataset has them.
+    """
+    if not needs_symbolic_build(model):
+        return None
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if data_batch is None and dataset is not None:
+        with model.distribute_strategy.scope():
+            return model._symbolic_build(
+                iterator=iterator,
+                data_batch=_spec_batch(dataset.element_spec))
+    with fit_input.probing():
+        return type(model)._maybe_symbolic_build(
+            model, iterator=iterator, data_batch=data_batch)
