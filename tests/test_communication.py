@@ -354,17 +354,17 @@ def test_recipe_flags():
     assert _parse("--compression=powersgd", "--powersgd_start_iter=0"
                   ).communication_options()[1].start_iter == 0
     # The line the recipe prints before training, naming the flag.
-    from tfmulti import experiment
+    from tfmulti import experiment_config
     config = _parse("--compression=powersgd", "--steps=300")
     compression = config.communication_options()[1]
-    notes = experiment._length_notes(config, compression, 300, False)
+    notes = experiment_config.length_notes(config, compression, 300, False)
     assert notes == [
         "PowerSGD: the first 100 of 300 updates are dense "
         "(--powersgd_start_iter=100); right for a few hundred updates, a run "
         "of thousands can start compressing sooner and send fewer bytes."]
-    assert "nothing is compressed" in experiment._length_notes(
+    assert "nothing is compressed" in experiment_config.length_notes(
         config, compression, 80, False)[0]
-    assert experiment._length_notes(_parse(), None, 300, False) == []
+    assert experiment_config.length_notes(_parse(), None, 300, False) == []
     # The defaults are the synchronous update.
     assert _parse().communication_options() == (None, None)
     with pytest.raises(ValueError, match="`sync`"):

@@ -29,7 +29,7 @@ LAYERS = (
     ("training", ("training",)),
     ("pipeline", ("pipeline",)),
     ("keras", ("keras",)),
-    ("experiment", ("models", "experiment")),
+    ("experiment", ("models", "experiment_config", "experiment")),
     ("entry points", ("flags", "launch", "doctor", "bench", "__main__")),
 )
 

@@ -89,12 +89,12 @@ def test_async_warmup_is_the_default_and_only_for_parameter_servers(
         monkeypatch):
     import tfmulti
     from tests.test_recipes import _parse
-    from tfmulti import experiment
+    from tfmulti import experiment_config
     from tfmulti.training import async_trainer
     assert async_trainer.DEFAULT_WARMUP_STEPS == 100
     config = _parse("--strategy=parameter_server")
     assert config.async_warmup_steps is None
-    warmup, length = experiment._length_notes(config, None, 300, True)
+    warmup, length = experiment_config.length_notes(config, None, 300, True)
     assert warmup == (
         "asynchronous: the learning rate warms up over the first 100 of 300 "
         "updates (--async_warmup_steps=100); stale gradients without it can "
@@ -103,16 +103,17 @@ def test_async_warmup_is_the_default_and_only_for_parameter_servers(
     # so, naming the flags.
     assert length.startswith("asynchronous: 300 updates may be too few") \
         and length.endswith("pass --epochs=9 (the default) or more.")
-    assert experiment._length_notes(config, None, 1404, True) == [
+    assert experiment_config.length_notes(config, None, 1404, True) == [
         warmup.replace("of 300", "of 1404")]
     # Left to its default, the length is the measured one, and said so.
     assert config.epochs is None
-    assert experiment.with_default_epochs(config).epochs == 9
-    assert experiment.with_default_epochs(_parse()).epochs == 3
-    assert experiment.with_default_epochs(
+    assert experiment_config.with_default_epochs(config).epochs == 9
+    assert experiment_config.with_default_epochs(_parse()).epochs == 3
+    assert experiment_config.with_default_epochs(
         _parse("--strategy=parameter_server", "--epochs=2")).epochs == 2
-    defaulted = experiment._length_notes(
-        experiment.with_default_epochs(config), None, 1404, True, True)[1]
+    defaulted = experiment_config.length_notes(
+        experiment_config.with_default_epochs(config), None, 1404, True,
+        True)[1]
     assert defaulted == (
         "asynchronous: 9 epochs (1404 updates) by default, 3 for synchronous "
         "strategies: stale workers need more updates to match synchronous "
@@ -121,11 +122,11 @@ def test_async_warmup_is_the_default_and_only_for_parameter_servers(
     monkeypatch.setenv("TF_CONFIG", json.dumps(
         {**_cluster(chief=1, worker=2, ps=1),
          "task": {"type": "chief", "index": 0}}))
-    assert experiment.with_default_epochs(_parse()).epochs == 9
-    assert "first 0 of" in experiment._length_notes(
+    assert experiment_config.with_default_epochs(_parse()).epochs == 9
+    assert "first 0 of" in experiment_config.length_notes(
         _parse("--strategy=parameter_server", "--async_warmup_steps=0"),
         None, 300, True)[0]
-    with pytest.raises(experiment.ConfigError,
+    with pytest.raises(experiment_config.ConfigError,
                        match="`async_warmup_steps`=50 .* 'mirrored'"):
         _parse("--strategy=mirrored", "--async_warmup_steps=50")
     import keras

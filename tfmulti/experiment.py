@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
-import json
 import os
-import tempfile
 import time
 from typing import Any
 
 from tfmulti import balance as balance_lib
 from tfmulti import exit_codes, rundir
+from tfmulti import experiment_config as config_lib
+# The configuration, with the run that takes it.
+from tfmulti.experiment_config import ConfigError, ExperimentConfig
 
-DEFAULT_DATASET = "tfmulti_shapes"
 LOOPS = ("fit", "trainer")
-COMPRESSIONS = ("none", "powersgd")
 # The default run directory is named after the recipe that runs the loop.
 RECIPE_NAMES = {"fit": "keras_fit", "trainer": "custom_loop"}
 # What a resumed run must share with the saved one: what is trained, not
@@ -39,273 +37,6 @@ RESUME_MUST_MATCH = (
     "sync_batchnorm", "batchnorm", "seed", "sync_every", "sync_warmup_steps",
     "outer_learning_rate", "outer_momentum", "compression", "powersgd_rank",
     "powersgd_start_iter", "async_warmup_steps")
-
-
-class ConfigError(ValueError):
-    """A bad setting of the experiment (a usage error for a recipe).
-
-    Attributes:
-      flag: the recipe flag to fix (its help is shown with the message).
-    """
-
-    def __init__(self, message: str, *, flag: str | None = None):
-        super().__init__(message)
-        self.flag = flag
-
-
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-    """Everything a recipe run needs; see `tfmulti.flags` for each field."""
-
-    strategy: str = "auto"
-    cpu_replicas: int = 0
-    num_gpus: int | None = None
-    all_reduce: str = "auto"
-    pack_bytes: int | None = None
-    startup_timeout: float | None = None
-    allreduce_dtype: str | None = None
-    dataset: str = DEFAULT_DATASET
-    data_dir: str | None = None
-    data_service: str | None = None  # tf.data service dispatcher host:port
-    global_batch_size: int = 128
-    # None: DEFAULT_EPOCHS, or ASYNC_DEFAULT_EPOCHS with parameter servers.
-    epochs: int | None = None
-    steps: int | None = None
-    learning_rate: float = 1e-3
-    base_batch_size: int = 128
-    lr_scaling: str | None = "linear"
-    warmup_steps: int = 0
-    grad_accum_steps: int = 1
-    clip_global_norm: float | None = None
-    mixed_precision: str | None = None
-    sync_batchnorm: bool = False
-    batchnorm: bool = True
-    steps_per_loop: int = 50
-    # None: a new directory under ./runs (see `tfmulti.rundir`).
-    model_dir: str | None = None
-    resume: bool = False
-    seed: int = 0
-    pipeline_stages: int = 1
-    micro_batches: int = 1
-    sync_every: int = 1
-    sync_warmup_steps: int = 0
-    outer_learning_rate: float = 1.0
-    outer_momentum: float = 0.0
-    compression: str = "none"
-    powersgd_rank: int = 4
-    # None: the library's defaults (tfmulti.PowerSGD's start_iter, the
-    # asynchronous Trainer's warm-up).
-    powersgd_start_iter: int | None = None
-    async_warmup_steps: int | None = None
-    # None, "auto" or comma-separated weights ("3,1"): `Trainer(balance=)`.
-    balance: str | None = None
-
-    def __post_init__(self):
-        if self.cpu_replicas and self.num_gpus:
-            raise ConfigError(
-                f"`cpu_replicas`={self.cpu_replicas} and `num_gpus`="
-                f"{self.num_gpus} were both given; simulate CPU replicas or "
-                "use GPUs, not both.", flag="cpu_replicas")
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError(f"`steps` should be positive, got "
-                              f"{self.steps}.", flag="steps")
-        if self.sync_batchnorm and not self.batchnorm:
-            raise ConfigError(
-                "`sync_batchnorm`=True synchronises BatchNormalization, but "
-                "`batchnorm`=False leaves it out of the model. Drop one of "
-                "them.", flag="sync_batchnorm")
-        if self.pipeline_stages == 1 and self.micro_batches != 1:
-            raise ConfigError(
-                f"`micro_batches`={self.micro_batches} needs "
-                "`pipeline_stages` > 1; for micro-batches on one model, use "
-                "grad_accum_steps.", flag="micro_batches")
-        if self.startup_timeout is not None and not self.startup_timeout > 0:
-            raise ConfigError(f"`startup_timeout` should be positive seconds, "
-                              f"got {self.startup_timeout!r}.",
-                              flag="startup_timeout")
-        if self.model_dir == "":
-            raise ConfigError("`model_dir` is empty; give a directory for "
-                              "checkpoints, events and metrics.json, or "
-                              "leave it out for a new one under ./runs.",
-                              flag="model_dir")
-        try:
-            balance_lib.from_flag(self.balance)
-        except ValueError as e:
-            raise ConfigError(str(e), flag="balance") from None
-        if self.compression not in COMPRESSIONS:
-            raise ConfigError(f"`compression` is {self.compression!r}; valid "
-                              f"values are {list(COMPRESSIONS)}.",
-                              flag="compression")
-        if self.sync_warmup_steps and self.sync_every == 1:
-            raise ConfigError(
-                f"`sync_warmup_steps`={self.sync_warmup_steps} warms up local "
-                "SGD, but `sync_every` is 1 (every update is synchronous). "
-                "Pass sync_every > 1, or leave sync_warmup_steps at 0.",
-                flag="sync_warmup_steps")
-        if (self.powersgd_start_iter is not None and
-                self.compression != "powersgd"):
-            raise ConfigError(
-                f"`powersgd_start_iter`={self.powersgd_start_iter} delays "
-                "PowerSGD, but `compression` is "
-                f"{self.compression!r}. Pass compression=powersgd, or leave "
-                "powersgd_start_iter at 0.", flag="powersgd_start_iter")
-        if self.async_warmup_steps is not None and self.strategy not in (
-                "parameter_server", "auto"):
-            raise ConfigError(
-                f"`async_warmup_steps`={self.async_warmup_steps} warms up "
-                "asynchronous updates, but `strategy` is "
-                f"{self.strategy!r}. Pass strategy=parameter_server, or use "
-                "warmup_steps for a synchronous run.",
-                flag="async_warmup_steps")
-        if (self.sync_every, self.outer_learning_rate, self.outer_momentum,
-                self.compression) != (1, 1.0, 0.0, "none"):
-            # Built here so that bad values fail before any training; only
-            # when asked for, as it imports TensorFlow.
-            try:
-                self.communication_options()
-            except ValueError as e:
-                raise ConfigError(str(e), flag="compression" if (
-                    self.compression != "none") else "sync_every") from None
-        if self.pipeline_stages > 1:
-            _check_pipeline(self)
-
-    def communication_options(self):
-        """(sync, compression) for the Trainer / `tfmulti.keras.distributed`.
-
-        `sync_every` 1 with outer learning rate 1 and momentum 0 is the
-        synchronous update; anything else is local SGD (DiLoCo with an
-        outer learning rate or momentum).
-        """
-        from tfmulti.training import local_sgd, powersgd, reducers
-        outer = None
-        if (self.outer_learning_rate, self.outer_momentum) != (1.0, 0.0):
-            outer = local_sgd.OuterSGD(learning_rate=self.outer_learning_rate,
-                                       momentum=self.outer_momentum)
-        sync = None
-        if self.sync_every != 1 or outer is not None:
-            sync = local_sgd.LocalSGD(every=self.sync_every,
-                                      outer_optimizer=outer,
-                                      warmup_steps=self.sync_warmup_steps)
-        start = {} if self.powersgd_start_iter is None else {
-            "start_iter": self.powersgd_start_iter}
-        compression = powersgd.PowerSGD(rank=self.powersgd_rank, **start) if (
-            self.compression == "powersgd") else None
-        reducers.check_options(sync, compression,
-                                allreduce_dtype=self.allreduce_dtype)
-        return sync, compression
-
-
-def _check_pipeline(config: ExperimentConfig) -> None:
-    """Options the pipelined step does not implement (one list, in
-    `tfmulti.pipeline.unsupported`)."""
-    from tfmulti.pipeline import unsupported
-    # Named as the recipe flags are; `sync` catches DiLoCo's outer options.
-    sync, _ = config.communication_options()
-    try:
-        unsupported.check(
-            f"with `pipeline_stages`={config.pipeline_stages}",
-            grad_accum_steps=config.grad_accum_steps,
-            clip_global_norm=config.clip_global_norm,
-            mixed_precision=config.mixed_precision,
-            sync_batchnorm=config.sync_batchnorm,
-            allreduce_dtype=config.allreduce_dtype,
-            num_gpus=config.num_gpus, sync_every=config.sync_every,
-            sync=sync if config.sync_every == 1 else None,
-            compression=None if config.compression == "none"
-            else config.compression)
-    except unsupported.UnsupportedOption as e:
-        flag = "outer_learning_rate" if e.name == "sync" else e.name
-        raise ConfigError(str(e), flag=flag) from None
-
-
-def _check_pipeline_process(config: ExperimentConfig) -> None:
-    """A pipeline in a multi-worker cluster, refused before anything runs."""
-    from tfmulti import cluster as cluster_lib
-    from tfmulti.pipeline import unsupported
-    try:
-        unsupported.check_one_process(
-            f"`pipeline_stages`={config.pipeline_stages}",
-            cluster_lib.cluster_config(), stages=config.pipeline_stages)
-    except unsupported.UnsupportedOption as e:
-        raise ConfigError(str(e), flag=e.name) from None
-
-
-def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
-    """Writes `payload` to `path` so a reader never sees half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
-                               suffix=".json")
-    # mkstemp makes the file 0600; on shared storage the others who read
-    # results need what the umask allows (0644 usually).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def check_output_dir(model_dir: str) -> None:
-    """Fails at start, naming the path, where the end would fail to write.
-
-    Raises:
-      ValueError: `model_dir` cannot be created or written, or its
-        `metrics.json` is a directory.
-    """
-    try:
-        os.makedirs(model_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"`model_dir` {model_dir!r} cannot be created ({e.strerror}: "
-            f"{e.filename!r}). Pass a directory this process can create and "
-            "write.") from None
-    if not os.access(model_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"`model_dir` {model_dir!r} is not writable by this "
-                         "process. Pass a directory it can write.")
-    metrics = os.path.join(model_dir, "metrics.json")
-    if os.path.isdir(metrics):
-        raise ValueError(
-            f"{metrics!r} is a directory, so the run's results could not be "
-            "written there at the end. Remove it or use another "
-            "`model_dir`.")
-
-
-def _check_dataset(name: str) -> None:
-    import tensorflow_datasets as tfds
-    from tfmulti.data import shapes
-    base = name.split(":")[0].split("/")[0]
-    known = tfds.list_builders(with_community_datasets=False)
-    if base == shapes.NAME or base in known:
-        return
-    close = difflib.get_close_matches(base, known + [shapes.NAME], n=3,
-                                      cutoff=0.5)
-    raise ConfigError(
-        f"`--dataset` is {name!r}, which TFDS does not know"
-        + (f"; closest: {', '.join(close)}." if close else ".")
-        + f" (tfds.list_builders() lists all; {shapes.NAME!r} needs no "
-        "download.)", flag="dataset")
-
-
-def _check_batch(config: ExperimentConfig, replicas: int,
-                 pieces: str = "replicas") -> None:
-    if config.global_batch_size % replicas:
-        lower = config.global_batch_size // replicas * replicas
-        options = [b for b in (lower, lower + replicas) if b > 0]
-        raise ConfigError(
-            f"`global_batch_size` is {config.global_batch_size}, which does "
-            f"not split over {replicas} {pieces} ({config.global_batch_size} "
-            f"% {replicas} = {config.global_batch_size % replicas}). Use a "
-            f"multiple of {replicas}, e.g. "
-            f"{' or '.join(str(b) for b in options)}.",
-            flag="global_batch_size")
-
-
 
 
 def _open_run_dir(config: ExperimentConfig, loop: str) -> rundir.RunDir:
@@ -327,7 +58,7 @@ def _open_run_dir(config: ExperimentConfig, loop: str) -> rundir.RunDir:
             model_dir, config=_identity(config, loop), resume=resume,
             compared=RESUME_MUST_MATCH)
         # Fail now, naming the path, where the end would fail to write.
-        check_output_dir(run.path)
+        rundir.check_output_dir(run.path)
     except ValueError as e:
         raise ConfigError(str(e), flag="model_dir") from None
     return run
@@ -370,12 +101,12 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             "-m recipes.custom_loop` with the same flags.",
             flag="pipeline_stages")
     if config.pipeline_stages > 1:
-        _check_pipeline_process(config)
+        config_lib.check_pipeline_process(config)
     length_defaulted = config.epochs is None and config.steps is None
-    config = with_default_epochs(config)
+    config = config_lib.with_default_epochs(config)
     run = _open_run_dir(config, loop)
     model_dir = run.path
-    _check_dataset(config.dataset)
+    config_lib.check_dataset(config.dataset)
     # Devices and the strategy first: TensorFlow fixes both on first use.
     from tfmulti import cluster as cluster_lib
     from tfmulti import devices
@@ -391,7 +122,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 f"devices, but {len(plan.devices)} are visible. Pass fewer "
                 f"stages, or on a CPU --cpu_replicas={plan.stages}.",
                 flag="pipeline_stages")
-        _check_batch(config, plan.data_parallel * plan.micro_batches,
+        config_lib.check_batch(config, plan.data_parallel * plan.micro_batches,
                      f"micro-batches ({plan.data_parallel} group(s) x "
                      f"{plan.micro_batches})")
         # The input pipeline feeds global batches from the first device;
@@ -404,7 +135,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             config.strategy, num_gpus=config.num_gpus,
             all_reduce=config.all_reduce, pack_bytes=config.pack_bytes,
             startup_timeout_seconds=config.startup_timeout)
-        _check_batch(config, strategy.num_replicas_in_sync)
+        config_lib.check_batch(config, strategy.num_replicas_in_sync)
     cluster = cluster_lib.of_strategy(strategy)
     is_chief = cluster.is_chief
 
@@ -424,7 +155,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     if is_chief:
         now = rundir.timestamp()
         saved = run.saved_config or {}
-        write_json_atomically(
+        rundir.write_json_atomically(
             os.path.join(model_dir, rundir.CONFIG_FILE),
             {"config": _identity(config, loop),
              "versions": saved.get("versions", versions),
@@ -474,13 +205,13 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             batch_norm=plan.batch_norm if plan else config.batchnorm)
         if config.sync_batchnorm:
             tfmulti.keras.sync_batchnorm(model)
-        optimizer = keras.optimizers.Adam(learning_rate(
+        optimizer = keras.optimizers.Adam(config_lib.learning_rate(
             config, examples_per_update=examples_per_update))
         accuracy = keras.metrics.SparseCategoricalAccuracy("accuracy")
 
     sync, compression = config.communication_options()
     if is_chief and verbose:
-        for note in _length_notes(config, compression, total_steps,
+        for note in config_lib.length_notes(config, compression, total_steps,
                                   parameter_server.is_parameter_server(
                                       strategy), length_defaulted):
             print(note, flush=True)
@@ -583,88 +314,13 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         "versions": versions,
     }
     if is_chief:
-        write_json_atomically(os.path.join(model_dir, rundir.METRICS_FILE),
-                              metrics)
+        rundir.write_json_atomically(
+            os.path.join(model_dir, rundir.METRICS_FILE), metrics)
         if verbose:
             print(progress.summary(
                 metrics, model_dir=model_dir, checkpoints=checkpoints,
                 wall_seconds=time.perf_counter() - began), flush=True)
     return metrics
-
-
-# Passes over the training split when neither `epochs` nor `steps` is
-# given. Stale asynchronous updates need more of them: in the recipe bench
-# two parameter-server workers ended 2.9-9.3 points below synchronous
-# training after 3 epochs (468 updates of 128) and within 1 point after 9
-# (BUILD_NOTES, issue 27), so a user who only adds --strategy=
-# parameter_server gets the run length that was measured to work.
-DEFAULT_EPOCHS = 3
-ASYNC_DEFAULT_EPOCHS = 9
-# Updates of 128 in ASYNC_DEFAULT_EPOCHS of the default dataset.
-ASYNC_MEASURED_STEPS = 1404
-
-
-def trains_asynchronously(config: ExperimentConfig) -> bool:
-    """Whether `config` trains with parameter servers: asked for, or "auto"
-    in a cluster that has them (as `strategies.create_strategy` decides)."""
-    if config.strategy != "auto":
-        return config.strategy == "parameter_server"
-    from tfmulti import cluster as cluster_lib
-    return bool(cluster_lib.cluster_config().num_ps)
-
-
-def with_default_epochs(config: ExperimentConfig) -> ExperimentConfig:
-    """`config` with `epochs` set when it was left None."""
-    if config.epochs is not None:
-        return config
-    epochs = (ASYNC_DEFAULT_EPOCHS if trains_asynchronously(config)
-              else DEFAULT_EPOCHS)
-    return dataclasses.replace(config, epochs=epochs)
-
-
-def _length_notes(config: ExperimentConfig, compression, total_steps: int,
-                  asynchronous: bool, length_defaulted: bool = False
-                  ) -> list[str]:
-    """One line per default whose best value depends on the run's length."""
-    notes = []
-    if compression is not None:
-        start = compression.start_iter
-        if start >= total_steps:
-            notes.append(
-                f"PowerSGD: all {total_steps} updates are dense "
-                f"(--powersgd_start_iter={start}), so nothing is compressed; "
-                "lower --powersgd_start_iter to compress.")
-        else:
-            notes.append(
-                f"PowerSGD: the first {start} of {total_steps} updates are "
-                f"dense (--powersgd_start_iter={start}); right for a few "
-                "hundred updates, a run of thousands can start compressing "
-                "sooner and send fewer bytes.")
-    if asynchronous:
-        from tfmulti.training import async_trainer
-        warmup = (async_trainer.DEFAULT_WARMUP_STEPS
-                  if config.async_warmup_steps is None
-                  else config.async_warmup_steps)
-        notes.append(
-            f"asynchronous: the learning rate warms up over the first "
-            f"{warmup} of {total_steps} updates (--async_warmup_steps="
-            f"{warmup}); stale gradients without it can keep the model at "
-            "chance for hundreds of updates.")
-        if length_defaulted:
-            notes.append(
-                f"asynchronous: {config.epochs} epochs ({total_steps} "
-                f"updates) by default, {DEFAULT_EPOCHS} for synchronous "
-                "strategies: stale workers need more updates to match "
-                "synchronous training; --epochs or --steps sets the length.")
-        elif total_steps < ASYNC_MEASURED_STEPS:
-            notes.append(
-                f"asynchronous: {total_steps} updates may be too few for "
-                "stale workers; with the example CNN two workers ended "
-                "2.9-9.3 points below synchronous at 468 updates of 128 (3 "
-                "epochs) and within 1 point at "
-                f"{ASYNC_MEASURED_STEPS}: pass --epochs="
-                f"{ASYNC_DEFAULT_EPOCHS} (the default) or more.")
-    return notes
 
 
 def input_data(config: ExperimentConfig, strategy):
@@ -747,18 +403,6 @@ def _check_end(config: ExperimentConfig, run: rundir.RunDir, loop: str,
 def _backup_dir() -> str:
     from tfmulti.keras import backup
     return backup.BACKUP_DIR
-
-
-def learning_rate(config: ExperimentConfig, *, examples_per_update: int):
-    """The configured learning rate (or schedule) for this update size."""
-    from tfmulti import schedules
-    if not (config.lr_scaling or config.warmup_steps):
-        return config.learning_rate
-    return schedules.scaled_learning_rate(
-        config.learning_rate, base_batch_size=config.base_batch_size,
-        global_batch_size=examples_per_update if config.lr_scaling
-        else config.base_batch_size, rule=config.lr_scaling or "linear",
-        warmup_steps=config.warmup_steps)
 
 
 def _stop_reason(error: BaseException) -> str:

@@ -22,6 +22,7 @@ from absl import flags
 from absl import logging
 
 from tfmulti import experiment
+from tfmulti import experiment_config as config_lib
 from tfmulti import rundir
 from tfmulti import strategies
 
@@ -69,7 +70,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "sets 120), else 600.", **fv)
     flags.DEFINE_enum("allreduce_dtype", "float32", list(_ALLREDUCE_DTYPES),
                       "Dtype gradients travel in during the all-reduce.", **fv)
-    flags.DEFINE_string("dataset", experiment.DEFAULT_DATASET,
+    flags.DEFINE_string("dataset", config_lib.DEFAULT_DATASET,
                         "A prepared TFDS dataset name; the default is "
                         "generated offline on first use.", **fv)
     flags.DEFINE_string("data_dir", None, "TFDS data dir (default: "
@@ -136,7 +137,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "averaging).", **fv)
     flags.DEFINE_float("outer_momentum", 0.0, "DiLoCo outer Nesterov "
                        "momentum (DiLoCo: 0.9, with outer lr 0.7).", **fv)
-    flags.DEFINE_enum("compression", "none", list(experiment.COMPRESSIONS),
+    flags.DEFINE_enum("compression", "none", list(config_lib.COMPRESSIONS),
                       "Gradient compression: PowerSGD or none.", **fv)
     flags.DEFINE_string("balance", "none", "Shares of the global batch per "
                         "replica: none (even), auto (follow each replica's "
@@ -155,10 +156,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
-                      ) -> experiment.ExperimentConfig:
+                      ) -> config_lib.ExperimentConfig:
     """The parsed shared flags as a validated `ExperimentConfig`."""
     f = flag_values
-    return experiment.ExperimentConfig(
+    return config_lib.ExperimentConfig(
         strategy=f.strategy, cpu_replicas=f.cpu_replicas,
         num_gpus=f.num_gpus, all_reduce=f.all_reduce,
         pack_bytes=f.pack_bytes, startup_timeout=f.startup_timeout,

@@ -226,3 +226,49 @@ def worker_temp_dir(model_dir, *, cluster=None, temp_root=None) -> str:
         os.fspath(model_dir)).encode()).hexdigest()[:12]
     return os.path.join(temp_root or tempfile.gettempdir(),
                         f"tfmulti-{digest}-worker{cluster.worker_rank}")
+
+
+def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
+    """Writes `payload` to `path` so a reader never sees half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
+                               suffix=".json")
+    # mkstemp makes the file 0600; on shared storage the others who read
+    # results need what the umask allows (0644 usually).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def check_output_dir(model_dir: str) -> None:
+    """Fails at start, naming the path, where the end would fail to write.
+
+    Raises:
+      ValueError: `model_dir` cannot be created or written, or its
+        `metrics.json` is a directory.
+    """
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"`model_dir` {model_dir!r} cannot be created ({e.strerror}: "
+            f"{e.filename!r}). Pass a directory this process can create and "
+            "write.") from None
+    if not os.access(model_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"`model_dir` {model_dir!r} is not writable by this "
+                         "process. Pass a directory it can write.")
+    metrics = os.path.join(model_dir, "metrics.json")
+    if os.path.isdir(metrics):
+        raise ValueError(
+            f"{metrics!r} is a directory, so the run's results could not be "
+            "written there at the end. Remove it or use another "
+            "`model_dir`.")

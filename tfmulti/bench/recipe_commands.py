@@ -39,7 +39,7 @@ ROWS = {
     "pipeline": (("--cpu_replicas=2", "--pipeline_stages=2",
                   "--micro_batches=4"), None, None),
     # Synchronous training as long as a parameter-server run's default
-    # (experiment.ASYNC_DEFAULT_EPOCHS): its reference.
+    # (experiment_config.ASYNC_DEFAULT_EPOCHS): its reference.
     "sync_9_epochs": (("--epochs=9",), (), None),
 }
 # The synchronous row each row is compared with (else "sync"): the same
