@@ -30,7 +30,8 @@ LAYERS = (
     ("pipeline", ("pipeline",)),
     ("keras", ("keras",)),
     ("experiment", ("models", "experiment_config", "experiment")),
-    ("entry points", ("flags", "launch", "doctor", "bench", "__main__")),
+    ("entry points", ("flags", "launch_processes", "launch", "doctor", "bench",
+                      "__main__")),
 )
 
 
