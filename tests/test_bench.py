@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.subproc import run_python
-from tfmulti.bench import communication, report, stats
+from tfmulti.bench import communication, parts, report, stats
 from tfmulti.bench import __main__ as bench_main
 
 
@@ -121,7 +121,7 @@ def test_a_failed_layout_keeps_the_others_and_is_listed(monkeypatch):
                  "bare_loop_32": 10.0 * kwargs["replicas"], "timing_s": 1.0,
                  "load_average": {"before": (1.0, 1.0, 1.0)}}]
 
-    monkeypatch.setattr(bench_main, "_run_part", part)
+    monkeypatch.setattr(parts, "run_part", part)
     mode = dict(bench_main.MODES["quick"], deadline=1e18)
     results = bench_main._step_overhead(mode, 10)
     assert {m: sorted(by_n) for m, by_n in results.items()} == {

@@ -19,7 +19,6 @@ from concurrent import futures as concurrent_futures
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -95,54 +94,6 @@ PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "communication_reduction", "recipes", "balance")
 
 
-def _kill(proc):
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-
-
-def _run_part(name, kwargs, *, timeout, envs=({},)):
-    """Runs part `name` in one process per entry of `envs`, concurrently.
-
-    Returns the parsed result of each process, in order. Every process is
-    killed when the first fails, at `timeout`, or at the end.
-    """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
-    command = [sys.executable, "-m", "tfmulti.bench.parts", name,
-               json.dumps(kwargs)]
-    procs = []
-    try:
-        for extra in envs:
-            # This tfmulti, whichever is installed; quiet TensorFlow logs.
-            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra)
-            env["PYTHONPATH"] = os.pathsep.join(
-                [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-            procs.append(subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, start_new_session=True))
-        outputs = []
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(
-                    timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"{name} {kwargs} ran past {timeout:.0f} s"
-                                   " (--timeout)") from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"{name} {kwargs} exited "
-                                   f"{proc.returncode}:\n{out[-3000:]}")
-            outputs.append(parts.parse_result(out))
-        return outputs
-    finally:
-        for proc in procs:
-            _kill(proc)
-
-
 def _in_turn(calls, concurrent):
     """{key: fn()} for `calls` {key: fn}, one after another or at once."""
     if not concurrent:
@@ -154,7 +105,7 @@ def _in_turn(calls, concurrent):
 
 def _step_overhead(mode, timeout):
     if mode.get("one_process"):
-        return _run_part("step_overhead_layouts", {
+        return parts.run_part("step_overhead_layouts", {
             "replicas": list(mode["replicas"]),
             **{model: mode[model] for model in ("mlp", "cnn")}},
             timeout=timeout)[0]
@@ -176,7 +127,7 @@ def _step_overhead(mode, timeout):
                     left / layouts_left - setup["seconds"], 5.0)
             began = time.monotonic()
             try:
-                figures = _run_part("step_overhead", kwargs,
+                figures = parts.run_part("step_overhead", kwargs,
                                     timeout=timeout)[0]
             except Exception:  # one layout must not lose the others
                 mode.setdefault("layout_errors", {})[
@@ -208,7 +159,7 @@ def _step_overhead(mode, timeout):
 
 def _communication(mode, timeout):
     configs = cluster_lib.local_cluster(2)
-    workers = _run_part("communication", mode["communication"],
+    workers = parts.run_part("communication", mode["communication"],
                         timeout=timeout,
                         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])
     result = workers[0]
@@ -225,7 +176,7 @@ def _accumulation_memory(mode, timeout):
     runs = {"batch": {"batch": b}, "large_batch": {"batch": k * b},
             "accumulated": {"batch": b, "grad_accum_steps": k}}
     # Memory does not depend on speed: the three run at once.
-    result = _in_turn({name: (lambda kw=kw: _run_part(
+    result = _in_turn({name: (lambda kw=kw: parts.run_part(
         "accumulation_memory", dict(kw, steps=m["steps"]),
         timeout=timeout)[0]) for name, kw in runs.items()}, True)
 
@@ -244,7 +195,7 @@ def _input_pipeline(mode, timeout):
     kwargs = dict(mode["input_pipeline"])
     if mode.get("data_dir"):
         kwargs["data_dir"] = mode["data_dir"]
-    return _run_part("input_pipeline", kwargs, timeout=timeout)[0]
+    return parts.run_part("input_pipeline", kwargs, timeout=timeout)[0]
 
 
 def _two_clusters():
@@ -262,7 +213,7 @@ def _soak(mode, timeout):
     settings = mode["soak"]
     # The two jobs at once: threads, memory and files are per process, and
     # the part stays minutes long rather than twice that.
-    return _in_turn({entry: (lambda entry=entry, configs=configs: _run_part(
+    return _in_turn({entry: (lambda entry=entry, configs=configs: parts.run_part(
         "soak", dict(settings, entry=entry),
         timeout=max(timeout, settings["seconds"] + 240),
         envs=[{"TF_CONFIG": json.dumps(c)} for c in configs])[0])
@@ -283,7 +234,7 @@ def _communication_reduction(mode, timeout):
         return None  # not in --quick / --tiny
     data_dir = _prepared_data_dir(mode)
     configs = cluster_lib.local_cluster(2)
-    return _run_part(
+    return parts.run_part(
         "communication_reduction",
         dict(mode["communication_reduction"], data_dir=data_dir),
         # Minutes long by design: eight trainings per seed.
@@ -297,7 +248,7 @@ def _pipeline_bubble(mode, timeout):
     # property of the schedule, not worth a minute of every --quick run.
     if "pipeline_bubble" not in mode:
         return None
-    return {str(s): _run_part("pipeline_bubble", {"stages": s},
+    return {str(s): parts.run_part("pipeline_bubble", {"stages": s},
                               timeout=timeout)[0]
             for s in mode["pipeline_bubble"]["stages"]}
 
@@ -319,7 +270,7 @@ def _balance(mode, timeout):
     if "balance" not in mode:
         return None
     from tfmulti.bench import balance
-    return balance.run(_run_part, mode["balance"], timeout)
+    return balance.run(parts.run_part, mode["balance"], timeout)
 
 
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,

@@ -104,7 +104,7 @@ def run(run_part, settings: dict, timeout: float) -> dict:
     """Runs the part: the competing process on `cores[1]`, 2 workers.
 
     Args:
-      run_part: `tfmulti.bench.__main__._run_part`.
+      run_part: `tfmulti.bench.parts.run_part`.
       settings: `worker_main` keyword arguments but `cores`.
       timeout: seconds before every process is killed.
     """

@@ -5,16 +5,68 @@ so `python -m tfmulti.bench` runs every device layout here:
 
     python -m tfmulti.bench.parts NAME '{"keyword": "arguments"}'
 
-prints `RESULT_PREFIX` followed by the part's result as JSON on one line.
+prints `RESULT_PREFIX` followed by the part's result as JSON on one line;
+`run_part` is the parent's side: it starts such processes and reads them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 RESULT_PREFIX = "TFMULTI_BENCH_RESULT "
+
+
+def _kill(proc):
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def run_part(name, kwargs, *, timeout, envs=({},)):
+    """Runs part `name` in one process per entry of `envs`, concurrently.
+
+    Returns the parsed result of each process, in order. Every process is
+    killed when the first fails, at `timeout`, or at the end.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "tfmulti.bench.parts", name,
+               json.dumps(kwargs)]
+    procs = []
+    try:
+        for extra in envs:
+            # This tfmulti, whichever is installed; quiet TensorFlow logs.
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+            env["PYTHONPATH"] = os.pathsep.join(
+                [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+            procs.append(subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        outputs = []
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(
+                    timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{name} {kwargs} ran past {timeout:.0f} s"
+                                   " (--timeout)") from None
+            if proc.returncode != 0:
+                raise RuntimeError(f"{name} {kwargs} exited "
+                                   f"{proc.returncode}:\n{out[-3000:]}")
+            outputs.append(parse_result(out))
+        return outputs
+    finally:
+        for proc in procs:
+            _kill(proc)
 
 
 def _step_overhead(**kwargs):
