@@ -17,7 +17,7 @@ from tfmulti import compat  # noqa: E402
 from tests.subproc import run_python  # noqa: E402
 
 FIXED = ("an upstream release fixed this: delete the workaround in "
-         "tfmulti/compat.py and this guard")
+         "tfmulti/compat/ and this guard")
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,112 @@ def test_distributed_iterator_deletion_still_blocks():
     assert result["workaround"], result
     assert result["blocked"]["tfmulti_distributed"] == [], result
     assert result["blocked"]["stock_distributed"], f"{FIXED}. {result}"
+
+
+def _source(obj) -> str:
+    import inspect
+    return inspect.getsource(obj)
+
+
+def _source_sets(cls, method, name):
+    """Whether `cls.method`'s source assigns `self.<name>` (an attribute an
+    instance only gets when it runs)."""
+    return f"self.{name} =" in _source(getattr(cls, method))
+
+
+def test_private_names_tfmulti_reads_still_exist():
+    """Every private TensorFlow / Keras name an accessor in tfmulti.compat
+    reads or replaces is still there: a release that renames one fails here,
+    naming it, not deep inside a training run."""
+    from keras.src.backend.tensorflow import core as keras_tf_core
+    from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+    from keras.src.models import sequential
+    from keras.src.trainers import compile_utils, trainer
+    from tensorflow.python.distribute import (
+        collective_all_reduce_strategy, cross_device_ops, cross_device_utils,
+        input_lib, sharded_variable, values)
+    from tensorflow.python.distribute.cluster_resolver import (
+        slurm_cluster_resolver)
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+    from tensorflow.python.distribute import parameter_server_strategy_v2
+    from tensorflow.python.eager import context
+
+    replica_context = []
+    tf.distribute.MirroredStrategy(["/cpu:0"]).run(
+        lambda: replica_context.append(hasattr(
+            tf.distribute.get_replica_context(), "_replica_id")))
+    inputs = keras.Input((2,))
+    graph = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    adamw = keras.optimizers.AdamW()
+    adamw.exclude_from_weight_decay(var_names=["bias"])
+
+    missing = [what for what, present in [
+        # collectives
+        ("CollectiveAllReduce._all_reduce", callable(getattr(
+            cross_device_ops.CollectiveAllReduce, "_all_reduce", None))),
+        ("CollectiveKeys(group_key_start=)", "group_key_start" in
+         cross_device_utils.CollectiveKeys.__init__.__code__.co_varnames),
+        ("ReplicaContext._replica_id", replica_context == [True]),
+        ("CollectiveAllReduceExtended._cross_device_ops", "_cross_device_ops"
+         in _source(collective_all_reduce_strategy.
+                           CollectiveAllReduceExtended)),
+        ("Context.abort_collective_ops", callable(getattr(
+            context.Context, "abort_collective_ops", None))),
+        ("CollectiveAllReduceExtended._initialize_local_devices", callable(
+            getattr(collective_all_reduce_strategy.
+                    CollectiveAllReduceExtended,
+                    "_initialize_local_devices", None))),
+        # parameter servers
+        ("cluster_coordinator.Worker._is_dead_with_error", "_is_dead_with_"
+         "error" in _source(cluster_coordinator.Worker)),
+        ("_CoordinatedClosureQueue.put_back", callable(getattr(
+            cluster_coordinator._CoordinatedClosureQueue, "put_back",
+            None))),
+        ("Cluster.closure_queue", _source_sets(
+            cluster_coordinator.Cluster, "__init__", "closure_queue")),
+        ("ClusterCoordinator._cluster", _source_sets(
+            cluster_coordinator.ClusterCoordinator, "__init__", "_cluster")),
+        ("ParameterServerStrategyV2._cluster_resolver", "_cluster_resolver"
+         in _source(parameter_server_strategy_v2.
+                           ParameterServerStrategyV2)),
+        ("sharded_variable.ShardedVariable", isinstance(
+            getattr(sharded_variable, "ShardedVariable", None), type)),
+        ("slurm_cluster_resolver.expand_hostlist / expand_tasks_per_node",
+         callable(getattr(slurm_cluster_resolver, "expand_hostlist", None))
+         and callable(getattr(slurm_cluster_resolver,
+                              "expand_tasks_per_node", None))),
+        # tf.data under a strategy
+        ("DistributedIterator._distributed_dataset", "_distributed_dataset"
+         in _source(input_lib)),
+        ("PerReplicaSpec._value_specs", _source_sets(
+            values.PerReplicaSpec, "__init__", "_value_specs")),
+        # Keras
+        ("Layer._flatten_layers", callable(getattr(
+            keras.layers.Layer, "_flatten_layers", None))),
+        ("Functional._nodes_by_depth", hasattr(graph, "_nodes_by_depth")),
+        ("KerasTensor._keras_history", hasattr(inputs, "_keras_history")),
+        ("Sequential._functional", "self._functional =" in _source(
+            sequential.Sequential)),
+        ("tensorflow Variable._initialize", callable(getattr(
+            keras_tf_core.Variable, "_initialize", None))),
+        ("Trainer._symbolic_build / _compute_loss", callable(getattr(
+            trainer.Trainer, "_symbolic_build", None)) and callable(getattr(
+                trainer.Trainer, "_compute_loss", None))),
+        ("Trainer.compile sets _compile_loss / _compile_metrics",
+         _source_sets(trainer.Trainer, "compile", "_compile_loss") and
+         _source_sets(trainer.Trainer, "compile", "_compile_metrics")),
+        ("TensorFlowTrainer._maybe_symbolic_build / "
+         "_aggregate_additional_loss", callable(getattr(
+             keras_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+             None)) and callable(getattr(trainer.Trainer,
+                                         "_aggregate_additional_loss",
+                                         None))),
+        ("CompileLoss._flat_losses", "_flat_losses" in _source(
+            compile_utils.CompileLoss)),
+        ("optimizer._exclude_from_weight_decay", hasattr(
+            adamw, "_exclude_from_weight_decay")),
+    ] if not present]
+    assert not missing, (
+        f"private names tfmulti.compat relies on are gone: {missing}. "
+        "Update the accessor in tfmulti/compat/ that reads each.")
+

@@ -137,10 +137,10 @@ def test_loss_scaling_functions_still_exist():
     # swapped only inside (re-entrant) and restored after.
     from keras.src.losses import loss as loss_module
     from tfmulti import compat
-    before = [getattr(loss_module, n) for n in compat._LOSS_SCALE_FUNCTIONS]
+    before = [getattr(loss_module, n) for n in compat.LOSS_SCALE_FUNCTIONS]
     with compat.unscaled_keras_losses():
         with compat.unscaled_keras_losses():
             assert loss_module.scale_loss_for_distribution(3.0) == 3.0
         assert loss_module.unscale_loss_for_distribution(3.0) == 3.0
     assert [getattr(loss_module, n)
-            for n in compat._LOSS_SCALE_FUNCTIONS] == before
+            for n in compat.LOSS_SCALE_FUNCTIONS] == before

@@ -258,9 +258,10 @@ def of_strategy(strategy) -> ClusterConfig:
     Read from the strategy's own cluster resolver, so it holds for a strategy
     made with an explicit `cluster` as much as for one made from TF_CONFIG.
     """
-    # ParameterServerStrategy keeps its resolver private.
-    resolver = getattr(strategy, "cluster_resolver", None) or getattr(
-        strategy, "_cluster_resolver", None)
+    # Here, not at the top: the launcher imports this module and must start
+    # without TensorFlow.
+    from tfmulti import compat
+    resolver = compat.cluster_resolver(strategy)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if not spec:
         return ClusterConfig()

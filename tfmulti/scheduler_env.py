@@ -56,8 +56,7 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     """
     # Here, not at the top: the launcher imports this module and must start
     # without TensorFlow.
-    from tensorflow.python.distribute.cluster_resolver import (
-        slurm_cluster_resolver)
+    from tfmulti import compat
     environ = os.environ if environ is None else environ
     rank = _int_var(environ, "SLURM_PROCID")
     ntasks = _int_var(environ, "SLURM_NTASKS")
@@ -66,7 +65,7 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get(
         "SLURM_NODELIST", "")
     try:
-        hosts = slurm_cluster_resolver.expand_hostlist(nodelist)
+        hosts = compat.expand_slurm_hostlist(nodelist)
     except ValueError as e:
         raise ValueError(f"`SLURM_JOB_NODELIST` is {nodelist!r}, which is not "
                          f"a SLURM host list ({e}).") from None
@@ -78,7 +77,7 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     else:
         spec = environ.get("SLURM_TASKS_PER_NODE", "")
         try:
-            per_node = slurm_cluster_resolver.expand_tasks_per_node(spec)
+            per_node = compat.expand_slurm_tasks_per_node(spec)
         except ValueError:
             raise ValueError(
                 f"`SLURM_NTASKS`={ntasks} differs from the {len(hosts)} nodes "

@@ -362,8 +362,6 @@ def multi_worker_on_cpus(local_cpus: int, *,
         training call that makes no progress this long fails.
       cluster: the cluster; default `tfmulti.cluster_config()`.
     """
-    from tensorflow.python.distribute import collective_all_reduce_strategy
-
     if isinstance(local_cpus, bool) or not isinstance(local_cpus, int) or (
             local_cpus < 1):
         raise ValueError(f"`local_cpus` should be an int >= 1, got "
@@ -371,17 +369,6 @@ def multi_worker_on_cpus(local_cpus: int, *,
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * local_cpus)
-
-    class Extended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
-        def _initialize_local_devices(self, cluster_resolver, worker_device):
-            return tuple(f"{worker_device}/device:CPU:{i}"
-                         for i in range(local_cpus)), "CPU"
-
-    class Strategy(compat.multi_worker_strategy_class()):
-        def __init__(self, resolver, options):
-            tf.distribute.Strategy.__init__(self, Extended(
-                self, communication_options=options,
-                cluster_resolver=resolver, devices=None))
 
     if cluster is None:
         cluster = cluster_lib.cluster_config()
@@ -392,7 +379,8 @@ def multi_worker_on_cpus(local_cpus: int, *,
         tf.train.ClusterSpec({t: list(a) for t, a in cluster.cluster.items()}),
         task_type=cluster.task_type, task_id=cluster.task_index,
         rpc_layer="grpc")
-    strategy = Strategy(resolver, options)
+    strategy = compat.multi_worker_on_local_cpus(resolver, options,
+                                                 local_cpus)
     strategy._tfmulti_communication_options = options
     initial_values.name_mismatches(strategy)
     _keras_writes_from_chief()
@@ -403,7 +391,7 @@ def multi_worker_on_cpus(local_cpus: int, *,
 
 def _keras_fixes():
     """What every tfmulti strategy fixes in Keras, installed once per
-    process (compat.py says why): one random stream per replica, and models
+    process (tfmulti.compat says why): one random stream per replica, and models
     without `call` (the keras-io GAN) trained by `fit`."""
     compat.draw_seeds_per_replica()
     compat.build_models_without_call()

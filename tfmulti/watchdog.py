@@ -13,7 +13,7 @@ collectives a second exhausts the machine's threads within minutes (measured
 in BUILD_NOTES, issue 19).
 
 Here one thread per process watches instead, at a cost that does not grow
-with the number of collectives. tfmulti's loops of steps and evaluation
+with the number of compat. tfmulti's loops of steps and evaluation
 passes run `calling` the watchdog; when one has waited `timeout_seconds`,
 the watchdog aborts this process's collectives, as MultiWorkerMirroredStrategy's
 own health check does for an unreachable peer.
@@ -38,8 +38,7 @@ import threading
 import time
 import weakref
 
-import tensorflow as tf
-from tensorflow.python.eager import context
+from tfmulti import compat
 
 _WATCHDOGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -120,8 +119,7 @@ class Watchdog:
                     continue
                 self.fired = True
                 self.fired_bound = bound
-                context.context().abort_collective_ops(
-                    tf.errors.DEADLINE_EXCEEDED,
+                compat.abort_collectives(
                     f"tfmulti watchdog: a call waited {bound:g} s "
                     "(`stall_timeout_seconds`); a peer is stuck or far "
                     "slower. Collectives aborted.")

@@ -26,7 +26,7 @@ def local(tmp_path_factory):
         run_python([LOCAL, str(out)], timeout=LOCAL_TIMEOUT_SECONDS, stall_seconds=STALL_SECONDS)
     except Stalled as stalled:
         # A safety net for TensorFlow's iterator-teardown stalls (BUILD_NOTES,
-        # issue 11, "The intermittent stall"; compat.py now avoids the known
+        # issue 11, "The intermittent stall"; tfmulti.compat now avoids the known
         # one). The cases done are kept in `out`; a second process runs the
         # rest, once. A second stall fails.
         warnings.warn(f"conformance cases resumed after a stall: "

@@ -21,6 +21,8 @@ import contextlib
 
 import tensorflow as tf
 
+from tfmulti import compat
+
 # Dynamic subclasses of each distributed dataset class, by base class.
 _REUSING_CLASSES = {}
 
@@ -125,22 +127,10 @@ class FitInput:
             self._probing = False
 
 
-def needs_symbolic_build(model) -> bool:
-    """Whether Keras's `_symbolic_build` would build anything (the same
-    conditions it checks); if not, its probe batch is wasted work."""
-    # pylint: disable=protected-access
-    return (not all(layer.built for layer in model._flatten_layers())
-            or (model._compile_metrics is not None
-                and not model._compile_metrics.built)
-            or (model._compile_loss is not None
-                and not model._compile_loss.built)
-            or (model.optimizer is not None and not model.optimizer.built))
-
-
 def _spec_batch(element_spec):
     """One replica's batch spec: shapes and dtypes, no data."""
     return tf.nest.map_structure(
-        lambda spec: getattr(spec, "_value_specs", (spec,))[0], element_spec)
+        compat.replica_spec, element_spec)
 
 
 def maybe_symbolic_build(model, fit_input, iterator=None, data_batch=None):
@@ -156,14 +146,14 @@ def maybe_symbolic_build(model, fit_input, iterator=None, data_batch=None):
     the eager reduction warns that the strategy is used eagerly. Only shapes
     and dtypes are needed, and the distributed dataset has them.
     """
-    if not needs_symbolic_build(model):
+    if not compat.needs_symbolic_build(model):
         return None
-    dataset = getattr(iterator, "_distributed_dataset", None)
+    dataset = compat.iterator_dataset(iterator)
     if data_batch is None and dataset is not None:
         with model.distribute_strategy.scope():
-            return model._symbolic_build(
-                iterator=iterator,
+            return compat.symbolic_build(
+                model, iterator=iterator,
                 data_batch=_spec_batch(dataset.element_spec))
     with fit_input.probing():
-        return type(model)._maybe_symbolic_build(
-            model, iterator=iterator, data_batch=data_batch)
+        return compat.stock_symbolic_build(model, iterator=iterator,
+                                           data_batch=data_batch)

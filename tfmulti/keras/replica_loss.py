@@ -26,20 +26,19 @@ def forward(model, x, y, sample_weight, *, training):
         y_pred = model(x, training=training)
     else:
         y_pred = model(x)
-    return y_pred, model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                       sample_weight=sample_weight,
-                                       training=training)
+    return y_pred, compat.compute_compiled_loss(
+        model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+        training=training)
 
 
 def loss_reduction(model):
     """"sum_over_batch_size" or "sum" if every compiled loss reduces that
     way (or there is none), else None: how Keras's compiled loss treats a
     replica's batch. Read after the loss was built (at trace time)."""
-    compiled = getattr(model, "_compile_loss", None)
-    flat = getattr(compiled, "_flat_losses", None) if compiled else []
-    if flat is None:
+    losses = compat.compiled_loss_objects(model)
+    if losses is None:
         return None
-    reductions = {getattr(entry[1], "reduction", None) for entry in flat}
+    reductions = {getattr(loss, "reduction", None) for loss in losses}
     if not reductions:
         return "sum"
     if len(reductions) == 1 and reductions <= {"sum_over_batch_size",
@@ -86,7 +85,7 @@ def compute_loss_fn(model, state):
                 # keep 1/replicas.
                 extra = tf.zeros_like(loss)
                 for term in model.losses:
-                    extra += tf.cast(model._aggregate_additional_loss(term),
+                    extra += tf.cast(compat.additional_loss(model, term),
                                      loss.dtype)
                 loss = (loss - extra) * (
                     num_replicas * local / global_batch) + extra
@@ -136,7 +135,7 @@ def masked_test_step(model, batch):
         y_pred = model(x, training=False)
     else:
         y_pred = model(x)
-    compiled = getattr(model, "_compile_loss", None)
+    compiled = compat.compiled_loss(model)
     if compiled is not None and not compiled.built:
         # As its first call would; `loss_reduction` reads what it built.
         compiled.build(y, y_pred)
@@ -145,8 +144,8 @@ def masked_test_step(model, batch):
     weights, count = mask, rows
     if loss_reduction(model) == "sum_over_batch_size":
         weights, count = mask * tf.math.divide_no_nan(rows, real), real
-    loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                               sample_weight=weights, training=False)
+    loss = compat.compute_compiled_loss(model, x=x, y=y, y_pred=y_pred,
+                                        sample_weight=weights, training=False)
     # Keras's loss carries a 1/replicas scale under a strategy; its own
     # `test_step` tracks it without.
     compat.loss_tracker(model).update_state(

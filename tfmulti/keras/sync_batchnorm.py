@@ -14,6 +14,8 @@ import logging
 
 import keras
 
+from tfmulti import compat
+
 _log = logging.getLogger(__name__)
 
 
@@ -45,15 +47,10 @@ def sync_batchnorm(model: keras.Model) -> keras.Model:
     if not isinstance(model, keras.layers.Layer):
         raise ValueError(f"`model` should be a Keras model or layer, got "
                          f"{type(model).__name__}: {model!r}.")
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is None:
-        raise RuntimeError(
-            f"Keras {keras.__version__} has no `Layer._flatten_layers`, which "
-            "sync_batchnorm uses to find nested layers (checked with Keras "
-            "3.15). Build the model with "
-            "keras.layers.BatchNormalization(synchronized=True) instead.")
     count = 0
-    for layer in flatten(include_self=True, recursive=True):
+    # Without a way to list nested layers (a future Keras), this raises;
+    # BatchNormalization(synchronized=True) in the model is the way then.
+    for layer in compat.flatten_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization):
             layer.synchronized = True
             count += 1

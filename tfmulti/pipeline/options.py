@@ -7,6 +7,7 @@ import dataclasses
 
 import keras
 
+from tfmulti import compat
 from tfmulti.pipeline import schedule as schedule_lib
 
 
@@ -62,7 +63,7 @@ def check_batch_norm(model, options: PipelineOptions) -> None:
     pieces = options.micro_batches * options.data_parallel
     if pieces == 1:
         return
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in compat.flatten_layers(model, include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization) and (
                 layer.trainable):
             raise ValueError(

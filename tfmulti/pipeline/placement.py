@@ -12,6 +12,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import compat
+
 
 def available_devices() -> list[str]:
     """The logical GPUs, or the logical CPUs when there is no GPU."""
@@ -45,8 +47,7 @@ def move_variables(variables, device: str) -> None:
 
     A Keras 3 variable on TensorFlow wraps one `tf.Variable`, created where
     the layer was built (usually the first device). Keras has no public way
-    to move it; `_initialize` with a `tf.Variable` is the backend's own
-    path for adopting one (keras/src/backend/tensorflow/core.py).
+    to move it (`tfmulti.compat.adopt_variable` says how it is done).
     """
     for v in variables:
         value = getattr(v, "value", None)
@@ -62,7 +63,7 @@ def move_variables(variables, device: str) -> None:
         with tf.device(device):
             moved = tf.Variable(tf.identity(value), trainable=value.trainable,
                                 name=value.name.split(":")[0])
-        v._initialize(moved)
+        compat.adopt_variable(v, moved)
 
 
 def copy_variables(variables, device: str) -> list:

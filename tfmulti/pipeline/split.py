@@ -20,6 +20,8 @@ from typing import Sequence
 import keras
 import numpy as np
 
+from tfmulti import compat
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -43,7 +45,7 @@ class Stage:
 def _functional(model: keras.Model) -> keras.Model:
     """The functional graph behind `model` (Sequential keeps one inside)."""
     if isinstance(model, keras.Sequential):
-        inner = getattr(model, "_functional", None)
+        inner = compat.sequential_graph(model)
         if inner is None:
             raise ValueError(
                 f"`model` is a Sequential ({model.name!r}) that is not built "
@@ -51,8 +53,7 @@ def _functional(model: keras.Model) -> keras.Model:
                 "input shape first: keras.Sequential([keras.Input(shape), "
                 "...]) or model.build(input_shape).")
         return inner
-    if not hasattr(model, "_nodes_by_depth") or not hasattr(model,
-                                                            "operations"):
+    if not compat.has_layer_graph(model):
         raise ValueError(
             f"`model` ({type(model).__name__} {model.name!r}) is a subclassed "
             "model, whose graph is hidden in its Python `call`. The pipeline "
@@ -65,9 +66,8 @@ def _graph(model: keras.Model):
     """(ordered ops, {op: input tensors}, model inputs, model outputs)."""
     fn = _functional(model)
     nodes_of = {}
-    for nodes in fn._nodes_by_depth.values():
-        for node in nodes:
-            nodes_of.setdefault(id(node.operation), []).append(node)
+    for node in compat.graph_nodes(fn):
+        nodes_of.setdefault(id(node.operation), []).append(node)
     ops, inputs_of = [], {}
     for op in fn.operations:
         if isinstance(op, keras.layers.InputLayer):
@@ -84,7 +84,7 @@ def _graph(model: keras.Model):
 
 
 def _producer(tensor) -> str:
-    return tensor._keras_history.operation.name
+    return compat.producer(tensor).name
 
 
 def layer_names(model: keras.Model) -> list[str]:
@@ -110,7 +110,7 @@ def _live_after(ops, inputs_of, model_inputs, model_outputs, cut: int):
     # The cut layer's own outputs first: they are the chain.
     cut_outputs = {id(t) for t in keras.tree.flatten(ops[cut].output)}
     live.sort(key=lambda t: (id(t) not in cut_outputs,
-                             position.get(id(t._keras_history.operation), -1)))
+                             position.get(id(compat.producer(t)), -1)))
     return live, cut_outputs
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import sharded_variable
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import compat
 from tfmulti import parameter_server
 from tfmulti.data import pipeline as pipeline_lib
 from tfmulti.training import closure_ledger
@@ -88,8 +88,7 @@ class WorkersLostError(RuntimeError):
 
 def _reject_sharded(model):
     for variable in model.variables:
-        if isinstance(getattr(variable, "value", None),
-                      sharded_variable.ShardedVariable):
+        if compat.is_sharded_variable(getattr(variable, "value", None)):
             raise ValueError(
                 f"The model's variable {variable.path!r} is sharded over the "
                 "parameter servers (the strategy has a `variable_"

@@ -19,9 +19,8 @@ from __future__ import annotations
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as cross_device_lib
-from tensorflow.python.distribute import cross_device_utils
 
+from tfmulti import compat
 from tfmulti.training import gradients as gradients_lib
 
 # Group keys of the per-worker collective groups: far from the ranges
@@ -118,20 +117,14 @@ def worker_all_reduce_fn(strategy, options=None):
             "process; the collective group keys reserved for them are "
             "exhausted. Make one Trainer per process and reuse it.")
     task = strategy.cluster_resolver.task_id
-    ops = cross_device_lib.CollectiveAllReduce(
-        devices=local_devices, group_size=len(local_devices),
-        options=options or tf.distribute.experimental.CommunicationOptions(),
-        collective_keys=cross_device_utils.CollectiveKeys(
-            group_key_start=_WORKER_GROUP_KEY_BASE +
-            _WORKER_GROUP_KEY_STRIDE * task + _worker_groups_made))
     communication = options or tf.distribute.experimental.CommunicationOptions()
+    ops = compat.local_collective_all_reduce(
+        local_devices, communication,
+        group_key_start=_WORKER_GROUP_KEY_BASE +
+        _WORKER_GROUP_KEY_STRIDE * task + _worker_groups_made)
 
     def reduce_local(values):
-        context = tf.distribute.get_replica_context()
-        # `_replica_id` is the replica's index on THIS worker, which is what
-        # a CollectiveAllReduce over the local devices indexes by.
-        return list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(values),
-                                    context._replica_id, communication))
+        return compat.all_reduce_in_replica(ops, values, communication)
     return reduce_local
 
 
@@ -144,19 +137,16 @@ def global_all_reduce_fn(strategy, options=None):
     ("`merge_call` called while defining a new graph"); the strategy's own
     `CollectiveAllReduce` issues the same collective without it.
     """
-    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    ops = compat.collective_all_reduce(strategy)
     communication = options or tf.distribute.experimental.CommunicationOptions()
-    if num_workers(strategy) == 1 or not isinstance(
-            ops, cross_device_lib.CollectiveAllReduce):
+    if num_workers(strategy) == 1 or ops is None:
         def reduce_all(values):
             return tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, values, options=options)
         return reduce_all
 
     def reduce_collective(values):
-        context = tf.distribute.get_replica_context()
-        return list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(values),
-                                    context._replica_id, communication))
+        return compat.all_reduce_in_replica(ops, values, communication)
     return reduce_collective
 
 

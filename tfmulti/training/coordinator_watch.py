@@ -1,13 +1,16 @@
 """What TensorFlow's `ClusterCoordinator` knows and does not publish: which
 workers it holds failed (`WorkerWatch`) and how many closures it retried
 (`RetryCounter`). Both read private state of TF 2.18-2.21's
-`cluster_coordinator`; each says so and degrades to "unknown" without it.
+`cluster_coordinator` through `tfmulti.compat`, and degrade to "unknown"
+without it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+
+from tfmulti import compat
 
 # How often a join looks at the workers' state: small against a loop of
 # steps (seconds), and a lock or two per look.
@@ -17,23 +20,20 @@ _JOIN_POLL_SECONDS = 0.05
 class WorkerWatch:
     """Which workers the coordinator holds failed, waiting for them.
 
-    TensorFlow exposes no such state; this reads each of the coordinator's
-    private `Worker._is_dead_with_error` (TF 2.18-2.21,
-    `cluster_coordinator.Worker`: set when a closure fails with a worker
-    error, cleared when the worker is back). Without it `available` is
-    False and `Trainer.fit` joins unbounded, as TensorFlow does.
+    TensorFlow exposes no such state; `tfmulti.compat` reads it from the
+    coordinator's private one. Without it `available` is False and
+    `Trainer.fit` joins unbounded, as TensorFlow does.
     """
 
     def __init__(self, coordinator):
-        self._workers = list(getattr(getattr(coordinator, "_cluster", None),
-                                     "workers", None) or ())
-        self.available = bool(self._workers) and all(
-            hasattr(w, "_is_dead_with_error") for w in self._workers)
+        workers = compat.coordinator_workers(coordinator)
+        self._workers = workers or []
+        self.available = workers is not None
 
     def failed(self) -> list[int]:
         """Indices of the workers held failed now."""
         return [w.worker_index for w in self._workers
-                if w._is_dead_with_error]
+                if compat.worker_failed(w)]
 
     @property
     def size(self) -> int:
@@ -44,27 +44,19 @@ class RetryCounter:
     """Counts the closures the coordinator put back in its queue to run
     again after their worker failed.
 
-    TensorFlow has no public count of these; this wraps the `put_back` of
-    the coordinator's private closure queue (TF 2.21,
-    `cluster_coordinator._CoordinatedClosureQueue`). A retry whose first
-    attempt never started on its worker reaches no parameter server, so the
-    `ClosureLedger` alone would miss it. Without that private method the
-    count is None.
+    TensorFlow has no public count of these; `tfmulti.compat` counts what
+    its private closure queue puts back. A retry whose first attempt never
+    started on its worker reaches no parameter server, so the
+    `ClosureLedger` alone would miss it. Without that queue the count is
+    None.
     """
 
     def __init__(self, coordinator):
         self.count = 0
-        queue = getattr(getattr(coordinator, "_cluster", None),
-                        "closure_queue", None)
-        put_back = getattr(queue, "put_back", None)
-        self.available = callable(put_back)
-        if self.available and not getattr(put_back, "_tfmulti_counted",
-                                          False):
-            def counted(closure):
-                self.count += 1
-                return put_back(closure)
-            counted._tfmulti_counted = True
-            queue.put_back = counted
+        self.available = compat.count_retries(coordinator, self._retried)
+
+    def _retried(self):
+        self.count += 1
 
     def value(self):
         return self.count if self.available else None

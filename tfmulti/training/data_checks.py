@@ -17,6 +17,8 @@ import re
 
 import tensorflow as tf
 
+from tfmulti import compat
+
 _LABEL = re.compile(r"Received a label value of (-?\d+) which is outside the "
                     r"valid range of \[0, (\d+)\)")
 _SHAPE = re.compile(r"(Matrix size-incompatible[^\n]*|Incompatible shapes"
@@ -25,7 +27,7 @@ _SHAPE = re.compile(r"(Matrix size-incompatible[^\n]*|Incompatible shapes"
 
 def _leaves(element_spec):
     # A multi-replica spec wraps one spec per replica.
-    return [getattr(leaf, "_value_specs", (leaf,))[0]
+    return [compat.replica_spec(leaf)
             for leaf in tf.nest.flatten(element_spec)]
 
 

@@ -66,8 +66,7 @@ def check_shardable(optimizer) -> None:
                 f"sharded update cannot reproduce (it would see one shard, "
                 f"not the whole model). Use {fix} instead, or "
                 "shard_optimizer_state=False.")
-    if (getattr(optimizer, "_exclude_from_weight_decay", None) or
-            getattr(optimizer, "_exclude_from_weight_decay_pattern", None)):
+    if compat.excludes_from_weight_decay(optimizer):
         raise ValueError(
             f"`optimizer` ({name}) excludes variables from weight decay by "
             "name, and a flat shard has no variable names. Use "

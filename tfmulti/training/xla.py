@@ -22,6 +22,8 @@ import re
 
 import tensorflow as tf
 
+from tfmulti import compat
+
 _UNSUPPORTED = "Detected unsupported operations when trying to compile"
 # "... compile graph NAME on XLA_CPU_JIT: PyFunc (No registered ...
 #  {{node sequential_1/odd_one_1/PyFunc}}".
@@ -68,7 +70,7 @@ def _layer_of(node, model):
     if model is None:
         return None
     scopes = node.split("/")[:-1]
-    names = {layer.name: layer for layer in model._flatten_layers()}
+    names = {layer.name: layer for layer in compat.flatten_layers(model)}
     # Name scopes are made unique with "_1", "_2" suffixes when a layer is
     # called more than once in a process.
     for scope in reversed(scopes):
