@@ -11,6 +11,7 @@ prints `RESULT_PREFIX` followed by the part's result as JSON on one line;
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -69,16 +70,6 @@ def run_part(name, kwargs, *, timeout, envs=({},)):
             _kill(proc)
 
 
-def _step_overhead(**kwargs):
-    from tfmulti.bench import step_overhead
-    return step_overhead.run(**kwargs)
-
-
-def _step_overhead_layouts(**kwargs):
-    from tfmulti.bench import step_overhead
-    return step_overhead.run_layouts(**kwargs)
-
-
 def _input_pipeline(*, replicas, **kwargs):
     import tfmulti
     devices = tfmulti.simulate_devices(replicas)
@@ -87,47 +78,29 @@ def _input_pipeline(*, replicas, **kwargs):
     return input_pipeline.measure(strategy, **kwargs)
 
 
-def _communication(**kwargs):
-    from tfmulti.bench import communication
-    return communication.worker_main(**kwargs)
-
-
-def _accumulation_memory(**kwargs):
-    from tfmulti.bench import accumulation_memory
-    return accumulation_memory.measure(**kwargs)
-
-
-def _soak(**kwargs):
-    from tfmulti.bench import soak
-    return soak.run(**kwargs)
-
-
-def _pipeline_bubble(**kwargs):
-    from tfmulti.bench import pipeline_bubble
-    return pipeline_bubble.measure(**kwargs)
-
-
-def _communication_reduction(**kwargs):
-    from tfmulti.bench import communication_reduction
-    return communication_reduction.worker_main(**kwargs)
-
-
-def _balance(**kwargs):
-    from tfmulti.bench import balance
-    return balance.worker_main(**kwargs)
-
-
+# name: (module of tfmulti.bench, its function), or a function here. The
+# module is imported in the part's own process only (TensorFlow fixes its
+# devices on first use).
 PARTS = {
-    "step_overhead": _step_overhead,
-    "step_overhead_layouts": _step_overhead_layouts,
+    "step_overhead": ("step_overhead", "run"),
+    "step_overhead_layouts": ("step_overhead", "run_layouts"),
     "input_pipeline": _input_pipeline,
-    "communication": _communication,
-    "accumulation_memory": _accumulation_memory,
-    "soak": _soak,
-    "pipeline_bubble": _pipeline_bubble,
-    "communication_reduction": _communication_reduction,
-    "balance": _balance,
+    "communication": ("communication", "worker_main"),
+    "accumulation_memory": ("accumulation_memory", "measure"),
+    "soak": ("soak", "run"),
+    "pipeline_bubble": ("pipeline_bubble", "measure"),
+    "communication_reduction": ("communication_reduction", "worker_main"),
+    "balance": ("balance", "worker_main"),
 }
+
+
+def _part_function(name):
+    part = PARTS[name]
+    if callable(part):
+        return part
+    module, function = part
+    return getattr(importlib.import_module(f"tfmulti.bench.{module}"),
+                   function)
 
 
 def parse_result(output: str) -> dict:
@@ -147,7 +120,7 @@ def main(argv=None):
                          f"{argv!r}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     kwargs = json.loads(argv[1]) if len(argv) == 2 else {}
-    result = PARTS[argv[0]](**kwargs)
+    result = _part_function(argv[0])(**kwargs)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
