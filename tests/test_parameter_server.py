@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import subproc
@@ -398,6 +399,41 @@ def test_async_accuracy_is_within_2_points_of_sync(tmp_path,
     assert sync["accuracy"] > 0.93  # converged: the comparison means something
     assert abs(gap) <= ACCURACY_TOLERANCE, (sync["accuracy"],
                                            run["accuracy"])
+
+
+def test_async_clipping_on_one_worker_equals_one_device(tmp_path,
+                                                       shapes_data_dir):
+    """The asynchronous step clips as the synchronous one does: with one
+    worker every update is applied before the next is computed, so 20
+    steps clipped to a global norm of 0.05 give one device's weights and
+    losses (same batches), to 1e-5; unclipped, one device ends elsewhere
+    (the bound was active)."""
+    out = {name: tmp_path / f"{name}.json"
+           for name in ("async", "sync", "unclipped")}
+    env = dict(os.environ, PS_JOB_STEPS="20", PS_JOB_BATCH="32",
+               PS_JOB_LOOP="10", PS_JOB_CLIP="0.05")
+    golden = {name: subprocess.Popen(
+        [sys.executable, JOB, "sync", str(out[name]), shapes_data_dir],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=dict(env, PS_JOB_CLIP=clip))
+        for name, clip in (("sync", "0.05"), ("unclipped", "1e9"))}
+    try:
+        with PsCluster(["async", str(out["async"]), shapes_data_dir],
+                       env=env, workers=1) as job:
+            assert job.wait_chief(TIMEOUT) == 0, "".join(job.output[-40:])
+        for proc in golden.values():
+            text, _ = proc.communicate(timeout=TIMEOUT)
+            assert proc.returncode == 0, text[-3000:]
+    finally:
+        for proc in golden.values():
+            subproc._kill(proc)
+    run, sync = (json.loads(out[n].read_text()) for n in ("async", "sync"))
+    assert run["step"] == sync["step"] == 20
+    np.testing.assert_allclose(run["history"]["loss"],
+                               sync["history"]["loss"], rtol=1e-5)
+    weights = {n: np.load(f"{out[n]}.npy") for n in out}
+    np.testing.assert_allclose(weights["async"], weights["sync"], atol=1e-5)
+    assert np.abs(weights["unclipped"] - weights["sync"]).max() > 1e-3
 
 
 # -- the launcher (a TensorFlow-free stand-in task) ---------------------------

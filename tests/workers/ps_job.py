@@ -12,7 +12,9 @@ Both train STEPS steps of BATCH examples (the same examples seen) and write
 "completed"} to OUT_JSON.
 Environment: PS_JOB_STEPS, PS_JOB_BATCH, PS_JOB_LOOP (steps per loop),
 PS_JOB_LR, PS_JOB_WARMUP (steps of linear warm-up; 0, the default: none,
-also in the asynchronous run), PS_JOB_STALL (the
+also in the asynchronous run), PS_JOB_CLIP (`clip_global_norm`; with it
+the trained weights go to OUT_JSON + ".npy" and the synchronous run reads
+one asynchronous worker's stream), PS_JOB_STALL (the
 strategy's `stall_timeout_seconds`) and PS_JOB_EVAL_EVERY (test accuracy
 every N steps, in the history).
 """
@@ -103,11 +105,23 @@ trainer = tfmulti.Trainer(
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                     reduction=None),
     steps_per_loop=LOOP, model_dir=MODEL_DIR,
+    clip_global_norm=float(os.environ.get("PS_JOB_CLIP", "0")) or None,
     **({"async_warmup_steps": WARMUP} if MODE == "async" else {}))
 
 
-train_data = train_fn if MODE == "async" else tfmulti.distribute_dataset(
-    strategy, train_fn, global_batch_size=BATCH)
+if MODE == "async":
+    train_data = train_fn
+elif os.environ.get("PS_JOB_CLIP"):
+    # The stream one asynchronous worker reads (async_trainer: the whole
+    # split, shuffled with seed 0, from offset 0), so that one device sees
+    # the same batches in the same order.
+    train_data = train_fn(tf.distribute.InputContext()).shuffle(
+        pipeline.DEFAULT_SHUFFLE_BUFFER, seed=0,
+        reshuffle_each_iteration=True).repeat().batch(
+            BATCH, drop_remainder=True)
+else:
+    train_data = tfmulti.distribute_dataset(strategy, train_fn,
+                                            global_batch_size=BATCH)
 EVAL_EVERY = int(os.environ.get("PS_JOB_EVAL_EVERY", "0")) or None
 history = trainer.fit(train_data, steps=STEPS, global_batch_size=BATCH,
                       checkpoint_every=LOOP if MODEL_DIR else None,
@@ -120,6 +134,9 @@ result = {"accuracy": trainer.evaluate(test)["sparse_categorical_accuracy"],
 if MODE == "async":
     counts = trainer.runner.ledger.counts()
     result.update({key: value.tolist() for key, value in counts.items()})
+if os.environ.get("PS_JOB_CLIP"):
+    np.save(OUT + ".npy", np.concatenate(
+        [v.numpy().ravel() for v in model.trainable_variables]))
 with open(OUT, "w") as f:
     json.dump(result, f)
 print("done", json.dumps({k: result[k] for k in ("accuracy", "step")}),
