@@ -194,6 +194,31 @@ def test_recipe_balance_flag_errors(tmp_path):
     assert "'3,x'" in out
 
 
+def test_balance_with_a_data_service_is_refused_before_anything_runs(
+        tmp_path, monkeypatch):
+    """The balanced Trainer reads its own global batches, so a tf.data
+    service (flag or environment) would be left unused: refused, naming
+    both, before a run directory exists; Keras fit is refused too."""
+    from tests.test_recipes import _parse
+    from tfmulti import experiment
+    run = tmp_path / "run"
+    config = _parse("--balance=auto", "--data_service=localhost:5050",
+                    f"--model_dir={run}")
+    with pytest.raises(experiment.ConfigError, match=(
+            r"`balance`='auto' cuts .* tf.data service at "
+            r"grpc://localhost:5050 .* Drop --balance")) as e:
+        experiment.train_and_evaluate(config, loop="trainer")
+    assert e.value.flag == "balance"
+    monkeypatch.setenv("TFMULTI_DATA_SERVICE", "localhost:5051")
+    with pytest.raises(experiment.ConfigError, match="TFMULTI_DATA_SERVICE"):
+        experiment.train_and_evaluate(_parse(
+            "--balance=3,1", f"--model_dir={run}"), loop="trainer")
+    with pytest.raises(experiment.ConfigError, match="custom loop"):
+        experiment.train_and_evaluate(_parse(
+            "--balance=3,1", f"--model_dir={run}"), loop="fit")
+    assert not run.exists()
+
+
 def test_balanced_data_and_options_errors():
     import tensorflow as tf
     from tfmulti.training import balancing

@@ -102,6 +102,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             flag="pipeline_stages")
     if config.pipeline_stages > 1:
         config_lib.check_pipeline_process(config)
+    if config.balance:
+        config_lib.check_balance(config, loop)
     length_defaulted = config.epochs is None and config.steps is None
     config = config_lib.with_default_epochs(config)
     run = _open_run_dir(config, loop)
@@ -186,11 +188,6 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     info, train, test = input_data(config, strategy)
     image_key, label_key = info.supervised_keys
     num_classes = info.features[label_key].num_classes
-    if config.balance and loop != "trainer":
-        raise ConfigError(
-            f"`balance`={config.balance!r} is an option of the custom loop "
-            "(recipes.custom_loop); Keras fit does not re-split batches yet.",
-            flag="balance")
     if parameter_server.is_parameter_server(strategy) and loop != "trainer":
         raise ValueError(
             "Keras `model.fit` does not run under ParameterServerStrategy "

@@ -207,6 +207,30 @@ def check_pipeline_process(config: ExperimentConfig) -> None:
         raise ConfigError(str(e), flag=e.name) from None
 
 
+def check_balance(config: ExperimentConfig, loop: str) -> None:
+    """`balance` where it cannot work, refused before anything runs."""
+    if loop != "trainer":
+        raise ConfigError(
+            f"`balance`={config.balance!r} is an option of the custom loop "
+            "(recipes.custom_loop); Keras fit does not re-split batches yet.",
+            flag="balance")
+    from tfmulti.data import service
+    try:
+        address = service.resolve_address(config.data_service)
+    except ValueError as e:
+        raise ConfigError(str(e), flag="data_service") from None
+    if address:
+        # The balanced Trainer cuts global batches it reads itself; the
+        # service's stream would be left unused, silently.
+        raise ConfigError(
+            f"`balance`={config.balance!r} cuts each global batch on the "
+            "worker by the replicas' shares, but the training input would "
+            f"come from the tf.data service at {address} (--data_service "
+            f"or ${service.ENV_VAR}), whose batches it cannot cut. Drop "
+            f"--balance, or drop --data_service and unset "
+            f"{service.ENV_VAR}.", flag="balance")
+
+
 def check_dataset(name: str) -> None:
     import tensorflow_datasets as tfds
     from tfmulti.data import shapes
