@@ -133,3 +133,59 @@ def test_launch_data_workers(tmp_path):
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=5).close()
 
+
+def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
+    """The launcher's service (`tfmulti-launch --data_workers`): a data
+    worker SIGKILLed mid-epoch and later the dispatcher are started again
+    on their ports (the worker's in-flight elements lost, at most once, and
+    reported; the dispatcher resumes from its journal), and the reader
+    goes on to the end; without the restart it waits for the worker."""
+    import os
+    import signal
+    from tfmulti import launch, launch_processes
+    said = []
+    reaper = launch_processes.Reaper(5)
+    data = launch_processes.DataService(
+        launch.LaunchOptions(workers=1, data_workers=2), reaper, said.append)
+    out = tmp_path / "out.json"
+    reader = subprocess.Popen(
+        [sys.executable, "tests/workers/data_service_fault_reader.py",
+         str(out), data.address], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    def kill_and_restart(name, restarts):
+        os.killpg(data.procs[name].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while data.restarts < restarts and time.monotonic() < deadline:
+            data.supervise()
+            time.sleep(0.2)
+        assert data.restarts == restarts, said
+
+    try:
+        assert reader.stdout.readline().strip() == "batch 25"
+        kill_and_restart("d1", 1)
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "batch 45"
+        kill_and_restart("dispatcher", 2)
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.wait(timeout=300) == 0
+    finally:
+        subprocess.run(["kill", "-9", f"-{reader.pid}"], check=False,
+                       capture_output=True)
+        data.stop()
+        reaper.close()
+    assert any("d1 was killed by SIGKILL; starting it again on port" in line
+               for line in said), said
+    result = json.loads(out.read_text())
+    counts = {i: result["ids"].count(i) for i in set(result["ids"])}
+    # 60 batches of 20 from 3 epochs of 400: each id at most once per epoch,
+    # none lost beyond what the losses say.
+    assert len(result["ids"]) == 1200 and max(counts.values()) <= 4
+    assert set(counts) == set(range(400))
+    lost = sum(loss["lost"] for loss in result["losses"])
+    assert 0 < lost < 100, result["losses"]
+    assert all(loss["delivered"] + loss["lost"] == loss["expected"] == 400
+               for loss in result["losses"])
+

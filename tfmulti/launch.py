@@ -108,15 +108,6 @@ class LaunchOptions:
                              f"{self.timeout!r}.")
 
 
-def _describe(code):
-    meaning = exit_codes.describe(code)
-    if meaning:
-        return meaning
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
 def _check_command(command):
     program = command[0]
     if shutil.which(program) is None:
@@ -206,7 +197,8 @@ def launch(command: list[str], options: LaunchOptions, *,
                     failure = group.first_failure()
                     if failure and group.in_startup():
                         grace = 0.0
-                        _say(f"{failure[0]} {_describe(failure[1])} during "
+                        _say(f"{failure[0]} "
+                             f"{processes.describe(failure[1])} during "
                              "start-up, before the cluster formed: "
                              f"{group.error_of(failure[0]) or 'no output'}; "
                              f"stopping the other {len(group.running())} "
@@ -225,6 +217,8 @@ def launch(command: list[str], options: LaunchOptions, *,
                                            f"finished" if done else "") +
                              "; stopped all workers")
                         return 124
+                    if service is not None:
+                        service.supervise()
                     time.sleep(processes.POLL_SECONDS)
             finally:
                 group.stop(grace)
@@ -236,10 +230,10 @@ def launch(command: list[str], options: LaunchOptions, *,
             index, code = failure
             left = options.max_restarts - attempt
             if left:
-                _say(f"{index} {_describe(code)}; restarting all "
+                _say(f"{index} {processes.describe(code)}; restarting all "
                      f"{options.workers} workers ({left} restart(s) left)")
             else:
-                _say(f"{index} {_describe(code)}; giving up after "
+                _say(f"{index} {processes.describe(code)}; giving up after "
                      f"{options.max_restarts} restart(s)")
                 return code if code > 0 else 128 - code
         raise AssertionError("unreachable")

@@ -194,49 +194,98 @@ class Reaper:
 class DataService:
     """A tf.data service dispatcher and data workers (`python -m
     tfmulti.data.service`), one process each, for the whole launch: a
-    restarted training group finds them, and their jobs, where they were."""
+    restarted training group finds them, and their jobs, where they were.
+
+    Each server has its own port, and `supervise` starts one that exited
+    again on it: TensorFlow's readers wait for a lost data worker to come
+    back at its address (they do not drop it, however long it is gone), and
+    the dispatcher resumes from its journal. Under DYNAMIC sharding the
+    elements the dead worker had in flight are lost (at most once), which
+    the readers report (`tfmulti.data.service.losses`).
+    """
 
     SERVICE_ENV = "TFMULTI_DATA_SERVICE"  # tfmulti.data.service.ENV_VAR
+    # A server that keeps dying is started again at most this often.
+    RESTART_INTERVAL_SECONDS = 5.0
 
     def __init__(self, options, reaper, say):
+        self._reaper = reaper
+        self._say = say
         self.work_dir = tempfile.mkdtemp(prefix="tfmulti-data-service-")
-        with socket.socket() as probe:
-            probe.bind((options.host, 0))
-            port = probe.getsockname()[1]
-        self.address = f"{options.host}:{port}"
+        self._ports = {name: _free_port(options.host) for name in (
+            "dispatcher", *(f"d{i}" for i in range(options.data_workers)))}
+        self.address = f"{options.host}:{self._ports['dispatcher']}"
         module = [sys.executable, "-u", "-m", "tfmulti.data.service"]
-        commands = [(module + ["dispatcher", f"--port={port}",
-                               f"--work_dir={self.work_dir}"], "dispatcher")]
-        commands += [(module + ["worker", f"--dispatcher={self.address}"],
-                      f"d{i}") for i in range(options.data_workers)]
-        self.procs = []
-        for argv, name in commands:
-            proc = subprocess.Popen(
-                argv, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get(
-                    "TF_CPP_MIN_LOG_LEVEL", "2")),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True)
-            reaper.watch(proc.pid)
-            self.procs.append(proc)
-            threading.Thread(target=relay, args=(
-                proc, name, True, collections.deque(maxlen=_TAIL_LINES),
-                lambda: None), daemon=True).start()
+        self._argv = {name: module + (
+            ["dispatcher", f"--work_dir={self.work_dir}"]
+            if name == "dispatcher" else
+            ["worker", f"--dispatcher={self.address}"]) + [f"--port={port}"]
+            for name, port in self._ports.items()}
+        self.procs = {}
+        self._started = {}
+        self.restarts = 0
+        for name in self._argv:
+            self._start(name)
         say(f"tf.data service: dispatcher at {self.address} (journal "
-             f"{self.work_dir}), {options.data_workers} data worker(s); "
-             f"{self.SERVICE_ENV}={self.address}")
+            f"{self.work_dir}), {options.data_workers} data worker(s); "
+            f"{self.SERVICE_ENV}={self.address}")
+
+    def _start(self, name):
+        proc = subprocess.Popen(
+            self._argv[name], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=(
+                os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self._reaper.watch(proc.pid)
+        self.procs[name] = proc
+        self._started[name] = time.monotonic()
+        threading.Thread(target=relay, args=(
+            proc, name, True, collections.deque(maxlen=_TAIL_LINES),
+            lambda: None), daemon=True).start()
+
+    def supervise(self):
+        """Starts every server that exited again, on its port (at most once
+        per `RESTART_INTERVAL_SECONDS` each)."""
+        now = time.monotonic()
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None or (
+                    now - self._started[name] < self.RESTART_INTERVAL_SECONDS):
+                continue
+            self._reaper.forget(proc.pid)
+            self._say(f"tf.data service: {name} {describe(code)}; starting "
+                      f"it again on port {self._ports[name]}")
+            self._start(name)
+            self.restarts += 1
 
     def stop(self):
-        for proc in self.procs:
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + FAILURE_GRACE_SECONDS
-        for proc in self.procs:
+        for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _free_port(host) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def describe(code) -> str:
+    """How a process ended, from its return code, in words."""
+    meaning = exit_codes.describe(code)
+    if meaning:
+        return meaning
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def relay(proc, index, quiet, tail, on_joined):
