@@ -189,3 +189,21 @@ def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
     assert all(loss["delivered"] + loss["lost"] == loss["expected"] == 400
                for loss in result["losses"])
 
+
+def test_recipe_through_the_launchers_service_reports_it(tmp_path,
+                                                         shapes_data_dir):
+    """The recipe as users run it on input workers: `tfmulti-launch
+    --data_workers 1` and the recipe at its defaults but length; the
+    training and evaluation input go through the service, and metrics.json
+    says where from and that nothing was lost."""
+    run = tmp_path / "run"
+    run_python(["-m", "tfmulti.launch", "--workers", "1", "--data_workers",
+                "1", "--timeout", "400", "--", sys.executable, "-m",
+                "recipes.custom_loop", f"--model_dir={run}",
+                f"--data_dir={shapes_data_dir}", "--steps=4",
+                "--steps_per_loop=2"], timeout=450)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["data_service"]["address"].startswith("grpc://127.0.0.1:")
+    assert metrics["data_service"]["lost"] == []
+    assert metrics["steps"] == 4 and 0 <= metrics["eval"]["accuracy"] <= 1
+

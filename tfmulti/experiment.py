@@ -307,6 +307,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         # This worker's gradient / parameter all-reduces, as issued.
         "communication": traffic,
         **({"balance": trainer.balance_history} if config.balance else {}),
+        **_data_service_metrics(config),
         "config": _identity(config, loop),
         "versions": versions,
     }
@@ -427,6 +428,16 @@ def _stop_at(total_steps: int):
                 self.model.stop_training = True
 
     return StopAt()
+
+
+def _data_service_metrics(config: ExperimentConfig) -> dict:
+    """Where this worker's input came from and, per pipeline and epoch,
+    the elements lost with a data worker that died (none: [])."""
+    from tfmulti.data import service
+    address = service.resolve_address(config.data_service)
+    if address is None:
+        return {}
+    return {"data_service": {"address": address, "lost": service.losses()}}
 
 
 def _floats(values: dict) -> dict[str, float]:
