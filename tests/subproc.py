@@ -14,6 +14,7 @@ import sys
 import time
 
 from tfmulti import cluster as cluster_lib
+from tfmulti import launch_processes
 
 
 def _start(argv, env, cwd=None):
@@ -25,13 +26,8 @@ def _start(argv, env, cwd=None):
                             start_new_session=True, cwd=cwd)
 
 
-def _kill(proc):
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+# The launcher's own: SIGKILL the process group, reap it.
+_kill = launch_processes.kill_group
 
 
 def _stacks(proc) -> str:

@@ -272,6 +272,17 @@ class DataService:
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
+def kill_group(proc) -> None:
+    """SIGKILLs `proc`'s process group (it was started in its own session)
+    unless it has exited, and reaps it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def _free_port(host) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))

@@ -14,21 +14,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
+from tfmulti import launch_processes
+
 RESULT_PREFIX = "TFMULTI_BENCH_RESULT "
-
-
-def _kill(proc):
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def run_part(name, kwargs, *, timeout, envs=({},)):
@@ -67,7 +59,7 @@ def run_part(name, kwargs, *, timeout, envs=({},)):
         return outputs
     finally:
         for proc in procs:
-            _kill(proc)
+            launch_processes.kill_group(proc)
 
 
 def _input_pipeline(*, replicas, **kwargs):
