@@ -1,7 +1,7 @@
 """One process of the tf.data service tests.
 
-Usage: data_service_worker.py OUT_JSON STRATEGY ADDRESS  ('{index}' in
-OUT_JSON becomes the worker index). STRATEGY is `mirrored4` (4 simulated
+Usage: data_service_worker.py OUT_JSON STRATEGY ADDRESS [TFDS_DATA_DIR]
+('{index}' in OUT_JSON becomes the worker index). STRATEGY is `mirrored4` (4 simulated
 replicas, one input pipeline: a plain `dataset_fn`) or `multi_worker`
 (TF_CONFIG from the environment: the same examples from 8 TFRecord files
 through `files_dataset_fn`, sharded by file, as a service requires with
@@ -14,7 +14,10 @@ Through `distribute_dataset(..., service=ADDRESS)`:
   on one device (all examples in one batch, no pipeline, no service);
 - training: the ids of two epochs' batches (96 examples, global batch 16),
   and a short Keras `fit` on the stream;
-- the error for an address where nothing listens.
+- the error for an address where nothing listens;
+- with TFDS_DATA_DIR: 200 `tfmulti_shapes` test examples through
+  `tfds_dataset_fn` (one file: one data worker reads it all, the other
+  nothing) and without the service, as (pixel sum, label) pairs.
 """
 
 import json
@@ -138,6 +141,28 @@ result["train_ids"] = epochs
 history = model.fit(train, epochs=1, steps_per_epoch=6, verbose=0)
 result["fit_loss"] = history.history["loss"][-1]
 result["seconds"] = time.monotonic() - started
+
+
+
+def shapes_fingerprints(service):
+    """(pixel sum, label) of each real example of one evaluation pass."""
+    pairs = []
+    for images, labels, weight in tfmulti.distribute_dataset(
+            strategy, tfmulti.tfds_dataset_fn(
+                "tfmulti_shapes", "test[:200]", data_dir=sys.argv[4]),
+            global_batch_size=48, training=False, service=service):
+        w = local_values(weight)
+        pixel = np.concatenate([
+            t.numpy().reshape(len(t), -1).sum(1, dtype=np.int64)
+            for t in strategy.experimental_local_results(images)])
+        label = local_values(labels)
+        pairs += zip(pixel[w == 1.0].tolist(), label[w == 1.0].tolist())
+    return sorted(pairs)
+
+
+if len(sys.argv) > 4:
+    result["tfds_service"] = shapes_fingerprints(ADDRESS)
+    result["tfds_local"] = shapes_fingerprints("")
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

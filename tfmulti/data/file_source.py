@@ -42,7 +42,8 @@ class FilesDatasetFn(sharding_lib.ShardedDatasetFn):
                       sum(self._lengths), len(self.files))
         return self._lengths
 
-    def read(self, input_context):
+    def read(self, input_context, *, dynamic_split=False):
+        del dynamic_split  # no length check to drop
         files = self.files
         if input_context is not None:
             files = files[input_context.input_pipeline_id::

@@ -248,7 +248,8 @@ def _shard(dataset_fn, input_context, service=None):
     """This pipeline's dataset and all pipelines' sizes (None if infinite)."""
     _check_service_sharding(dataset_fn, input_context, service)
     if isinstance(dataset_fn, sharding_lib.ShardedDatasetFn):
-        dataset, sizes = dataset_fn.shard(input_context)
+        dataset, sizes = dataset_fn.shard(input_context,
+                                          dynamic_split=bool(service))
         _check_element(dataset, "dataset_fn")
         return dataset, sizes
     dataset = dataset_fn(input_context)

@@ -144,14 +144,22 @@ class ShardedDatasetFn(abc.ABC):
         """Examples in each file, in reading order."""
 
     @abc.abstractmethod
-    def read(self, input_context: tf.distribute.InputContext | None
-             ) -> tf.data.Dataset:
+    def read(self, input_context: tf.distribute.InputContext | None, *,
+             dynamic_split: bool = False) -> tf.data.Dataset:
         """`(features, label)` elements of this pipeline's files, or of every
-        file when `input_context` is None."""
+        file when `input_context` is None. With `dynamic_split` the dataset
+        runs on tf.data service data workers, each of which reads only the
+        files the dispatcher hands it: no check of the total length there."""
 
-    def shard(self, input_context: tf.distribute.InputContext
+    def shard(self, input_context: tf.distribute.InputContext, *,
+              dynamic_split: bool = False
               ) -> tuple[tf.data.Dataset, list[int]]:
         """This pipeline's part of the data, and every pipeline's size.
+
+        Args:
+          input_context: which pipeline this is, of how many.
+          dynamic_split: the dataset is split among tf.data service data
+            workers (see `read`).
 
         Returns:
           `(dataset, sizes)`: this pipeline's `(features, label)` elements,
@@ -173,8 +181,8 @@ class ShardedDatasetFn(abc.ABC):
                     f"{sizes.index(0)} would read only empty files and its "
                     "replicas would wait forever. Use sharding='element' or "
                     "drop the empty files.")
-            return self.read(input_context), sizes
-        dataset = self.read(None)
+            return self.read(input_context, dynamic_split=dynamic_split), sizes
+        dataset = self.read(None, dynamic_split=dynamic_split)
         if pipelines > 1:
             dataset = dataset.shard(pipelines, input_context.input_pipeline_id)
         return dataset, sizes_by_element(sum(lengths), pipelines)

@@ -34,7 +34,7 @@ class TfdsDatasetFn(sharding_lib.ShardedDatasetFn):
     def file_lengths(self) -> list[int]:
         return [f.take for f in self._instructions]
 
-    def read(self, input_context):
+    def read(self, input_context, *, dynamic_split=False):
         return self.builder.as_dataset(
             split=self.split, as_supervised=True, decoders=self._decoders,
             shuffle_files=False,
@@ -42,8 +42,13 @@ class TfdsDatasetFn(sharding_lib.ShardedDatasetFn):
             # batch from a first iterator and drops it, which discards a
             # partial cache with a warning; `distribute_dataset(cache=True)`
             # caches when asked.
-            read_config=tfds.ReadConfig(input_context=input_context,
-                                        try_autocache=False))
+            read_config=tfds.ReadConfig(
+                input_context=input_context, try_autocache=False,
+                # TFDS asserts the split's length at its end; a data worker
+                # of the tf.data service reads only the files it is given
+                # (measured: "Input dataset was expected to contain 20000
+                # elements but contained only 0" with 2 data workers).
+                assert_cardinality=not dynamic_split))
 
 
 def tfds_dataset_fn(name: str, split: str, *, data_dir: str | None = None,
