@@ -122,6 +122,42 @@ def test_two_workers_through_service(service, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_data_worker_tells_readers_its_host_name():
+    """TensorFlow's default, `localhost`, would send readers on other
+    machines to themselves: a data worker whose dispatcher is on another
+    host advertises this machine's name (or --worker_address)."""
+    from tfmulti.data import service as service_lib
+    assert service_lib.worker_host("grpc://node3:5050") == (
+        socket.gethostname())
+    assert service_lib.worker_host("node3:5050", "10.0.0.7") == "10.0.0.7"
+    for loopback in ("127.0.0.1:5050", "localhost:5050", "[::1]:5050"):
+        assert service_lib.worker_host(loopback) == "localhost"
+
+
+@pytest.mark.slow
+def test_servers_addressed_by_host_name_serve_a_reader(tmp_path):
+    """As on a cluster: the dispatcher addressed by this machine's name
+    (not loopback), a data worker started with it, and a reader through
+    `TFMULTI_DATA_SERVICE` gets every id once."""
+    host = socket.gethostname()
+    dispatcher, (address,) = start_service("dispatcher")
+    worker = None
+    try:
+        dispatcher_address = f"{host}:{address.rsplit(':', 1)[1]}"
+        worker, (worker_address,) = start_service(
+            "worker", f"--dispatcher={dispatcher_address}")
+        assert worker_address.startswith(f"{host}:")
+        out = tmp_path / "child.json"
+        run_python(["tests/workers/data_service_launch_child.py", str(out)],
+                   env={"TFMULTI_DATA_SERVICE": dispatcher_address},
+                   timeout=240)
+        assert sorted(json.loads(out.read_text())["ids"]) == list(range(300))
+    finally:
+        for proc in (worker, dispatcher):
+            if proc is not None:
+                stop_service(proc)
+
+
 def test_launch_data_workers(tmp_path):
     """`tfmulti-launch --data_workers 2` starts a dispatcher and 2 data
     workers, the job reads through them by `TFMULTI_DATA_SERVICE`, and

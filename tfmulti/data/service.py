@@ -182,12 +182,38 @@ def start_dispatcher(port: int = 0, work_dir: str | None = None):
         port=port, work_dir=work_dir, fault_tolerant_mode=bool(work_dir)))
 
 
-def start_worker(dispatcher: str, port: int = 0):
-    """A `WorkerServer` on `port` serving the dispatcher at `dispatcher`."""
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def worker_host(dispatcher: str, worker_address: str | None = None) -> str:
+    """The host training processes reach a data worker at.
+
+    The dispatcher tells readers where each data worker is; TensorFlow's
+    default, `localhost`, is right only when they share the machine. So
+    with a dispatcher on another host the default is this machine's name
+    (`socket.gethostname()`, what SLURM and Kubernetes resolve), on
+    loopback `localhost`; `worker_address` (a host name or IP: the port
+    is the worker's own) overrides it.
+    """
+    if worker_address:
+        return worker_address
+    host = dispatcher.split("://")[-1].rsplit(":", 1)[0]
+    return "localhost" if (host in _LOOPBACK or host.startswith("127.")) \
+        else socket.gethostname()
+
+
+def start_worker(dispatcher: str, port: int = 0,
+                 worker_address: str | None = None):
+    """A `WorkerServer` on `port` serving the dispatcher at `dispatcher`,
+    reached by readers at `worker_host(dispatcher, worker_address)`."""
     import tensorflow as tf
     service = tf.data.experimental.service
+    host = worker_host(dispatcher, worker_address)
     return service.WorkerServer(service.WorkerConfig(
-        dispatcher_address=dispatcher.split("://")[-1], port=port))
+        dispatcher_address=dispatcher.split("://")[-1], port=port,
+        # TensorFlow puts the bound ports in for %port% and %dts_port%.
+        worker_address=f"{host}:%port%",
+        data_transfer_address=f"{host}:%dts_port%"))
 
 
 def _parser():
@@ -208,6 +234,11 @@ def _parser():
                              "mode, a restart resumes its jobs")
     parser.add_argument("--workers", type=int, default=1,
                         help="data workers (role local)")
+    parser.add_argument("--worker_address", default=None,
+                        help="the host name or IP training processes reach "
+                             "this data worker at; default: this "
+                             "machine's hostname, or localhost when the "
+                             "dispatcher is on loopback")
     return parser
 
 
@@ -224,17 +255,18 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(dispatcher)
         address = f"127.0.0.1:{dispatcher.target.rsplit(':', 1)[1]}"
         print(f"tfmulti: data service dispatcher at {address}", flush=True)
-    if args.role == "worker":
-        servers.append(start_worker(args.dispatcher, args.port))
+    # role local: the dispatcher took --port; its workers take free ones.
+    workers = {"worker": [args.port], "local": [0] * args.workers}.get(
+        args.role, [])
+    for port in workers:
+        dispatcher_address = args.dispatcher or address
+        servers.append(start_worker(dispatcher_address, port,
+                                    args.worker_address))
+        bound = compat.data_worker_address(servers[-1]).rsplit(":", 1)[1]
+        # The address the dispatcher hands to readers.
         print(f"tfmulti: data service worker at "
-              f"127.0.0.1:{compat.data_worker_address(servers[-1]).rsplit(':', 1)[1]}",
-              flush=True)
-    if args.role == "local":
-        for _ in range(args.workers):
-            servers.append(start_worker(address))
-            print(f"tfmulti: data service worker at "
-                  f"127.0.0.1:{compat.data_worker_address(servers[-1]).rsplit(':', 1)[1]}",
-                  flush=True)
+              f"{worker_host(dispatcher_address, args.worker_address)}:"
+              f"{bound}", flush=True)
     stop = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.append(True))
