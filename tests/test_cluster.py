@@ -126,6 +126,19 @@ def test_slurm_derivation(nodelist, ntasks, per_node, expected):
         assert c.worker_addresses[:2] == ("n1:30000", "n1:30001")
 
 
+def test_slurm_step_on_part_of_the_allocation_is_a_cluster_of_its_nodes():
+    """`srun --nodelist=n[3-4]` inside a 4-node job (the other nodes serving
+    tf.data): rank and task count are the step's, and so are the nodes."""
+    c = cl.cluster_config(environ={
+        "SLURM_PROCID": "1", "SLURM_NTASKS": "4",
+        "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_TASKS_PER_NODE": "1(x4)",
+        "SLURM_STEP_NODELIST": "n[3-4]",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "TFMULTI_PORT": "30000"})
+    assert c.worker_addresses == ("n3:30000", "n3:30001", "n4:30000",
+                                  "n4:30001")
+    assert c.task_index == 1
+
+
 def test_slurm_errors_name_the_variable():
     base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
             "SLURM_JOB_NODELIST": "n[1-2]"}
@@ -137,6 +150,8 @@ def test_slurm_errors_name_the_variable():
         cl.cluster_config(environ=dict(base, SLURM_JOB_NODELIST="n[1-"))
     with pytest.raises(ValueError, match="`SLURM_NTASKS`=3"):
         cl.cluster_config(environ=dict(base, SLURM_NTASKS="3"))
+    with pytest.raises(ValueError, match="`SLURM_STEP_NODELIST`"):
+        cl.cluster_config(environ=dict(base, SLURM_STEP_NODELIST="n[3-"))
 
 
 def test_tf_config_wins_over_slurm():

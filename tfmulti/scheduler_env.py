@@ -39,9 +39,13 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
                     port: int | None = None) -> dict[str, Any]:
     """Derives TF_CONFIG from SLURM's variables.
 
-    Reads SLURM_PROCID (this task's rank), SLURM_NTASKS, SLURM_JOB_NODELIST
-    (compressed lists such as `node[01-04,07]` are expanded) and, when there
-    are more tasks than nodes, SLURM_TASKS_PER_NODE (e.g. `2(x4)`). Tasks are
+    Reads SLURM_PROCID (this task's rank), SLURM_NTASKS, the job step's
+    nodes (SLURM_STEP_NODELIST, which `srun` sets, else SLURM_JOB_NODELIST;
+    compressed lists such as `node[01-04,07]` are expanded) and, when there
+    are more tasks than nodes, SLURM_STEP_TASKS_PER_NODE (else
+    SLURM_TASKS_PER_NODE, e.g. `2(x4)`). The step's, because the rank and
+    the task count are the step's: a training step that runs on part of the
+    allocation (the rest serving tf.data, say) is a cluster of its nodes. Tasks are
     placed on nodes in block order, as `srun` does by default; the k-th task
     on a node listens on `port + k`. With TFMULTI_NUM_PS=P > 0 the job is a
     parameter-server job: task 0 is the `chief`, tasks 1..P the `ps`, the
@@ -62,31 +66,35 @@ def slurm_tf_config(environ: Mapping[str, str] | None = None, *,
     ntasks = _int_var(environ, "SLURM_NTASKS")
     if port is None:
         port = _port_var(environ)
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get(
-        "SLURM_NODELIST", "")
+    nodes_var = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+                                  "SLURM_NODELIST") if environ.get(v)),
+                     "SLURM_JOB_NODELIST")
+    nodelist = environ.get(nodes_var, "")
     try:
         hosts = compat.expand_slurm_hostlist(nodelist)
     except ValueError as e:
-        raise ValueError(f"`SLURM_JOB_NODELIST` is {nodelist!r}, which is not "
+        raise ValueError(f"`{nodes_var}` is {nodelist!r}, which is not "
                          f"a SLURM host list ({e}).") from None
     if not nodelist or not hosts:
-        raise ValueError(f"`SLURM_JOB_NODELIST` is {nodelist!r}; run inside "
+        raise ValueError(f"`{nodes_var}` is {nodelist!r}; run inside "
                          "a SLURM allocation (sbatch/salloc + srun).")
     if ntasks == len(hosts):
         per_node = [1] * len(hosts)
     else:
-        spec = environ.get("SLURM_TASKS_PER_NODE", "")
+        spec_var = ("SLURM_STEP_TASKS_PER_NODE" if environ.get(
+            "SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE")
+        spec = environ.get(spec_var, "")
         try:
             per_node = compat.expand_slurm_tasks_per_node(spec)
         except ValueError:
             raise ValueError(
                 f"`SLURM_NTASKS`={ntasks} differs from the {len(hosts)} nodes "
-                f"of {nodelist!r} and `SLURM_TASKS_PER_NODE` is {spec!r}, "
+                f"of {nodelist!r} and `{spec_var}` is {spec!r}, "
                 "which does not say how tasks are spread. Use one task per "
                 "node (--ntasks-per-node=1).") from None
         if len(per_node) != len(hosts) or sum(per_node) != ntasks:
             raise ValueError(
-                f"`SLURM_TASKS_PER_NODE`={spec!r} does not place "
+                f"`{spec_var}`={spec!r} does not place "
                 f"`SLURM_NTASKS`={ntasks} tasks on the {len(hosts)} nodes of "
                 f"{nodelist!r}.")
     addresses = [f"{host}:{port + k}"
