@@ -344,11 +344,13 @@ def build_pipeline(dataset_fn: Callable, input_context:
     if options.service:
         # Repeating outside the service gives each epoch its own job, so
         # DYNAMIC sharding's "at most once" holds per epoch.
-        dataset = service_lib.distribute(dataset, options.service)
+        dataset = service_lib.distribute(dataset, options.service,
+                                         transfer_batch=per_replica)
         if sizes is not None:
             dataset = service_lib.count_delivered(
                 dataset, expected=sizes[pipeline_id],
                 pipeline_id=pipeline_id, training=options.training)
+        dataset = dataset.unbatch()
         if options.training and sizes is not None:
             dataset = dataset.repeat()
     if not options.training:

@@ -99,18 +99,27 @@ def check_reachable(address: str, *, timeout: float | None = None) -> None:
         f"{ENV_VAR} to read the data in the training process.")
 
 
-def distribute(dataset, address: str):
-    """`dataset` produced by the data workers at `address`, DYNAMIC sharding.
+def distribute(dataset, address: str, *, transfer_batch: int):
+    """`dataset` produced by the data workers at `address`, DYNAMIC sharding,
+    as batches of up to `transfer_batch` elements (unbatch them to get the
+    elements back).
 
     Each call to iterate starts an anonymous job: every element of
     `dataset` at most once (all of them without faults), spread over the
     data workers. Everything in `dataset` runs on the data workers, so it
     must be a graph (no `py_function`); take/skip/enumerate apply per data
     worker, not to the whole dataset.
+
+    Why batches: the service sends one response per element, and receiving
+    them cost the training process more CPU than the preprocessing it moved
+    away (measured, BUILD_NOTES: 20-26 ms per batch of 64 images against
+    37 ms to make them locally; 1.0-1.5 ms when 64 travel together). A data
+    worker batches only its own elements and keeps a short last batch, so
+    unbatched the stream holds exactly the elements it would otherwise.
     """
     import tensorflow as tf
     service = tf.data.experimental.service
-    return dataset.apply(service.distribute(
+    return dataset.batch(transfer_batch).apply(service.distribute(
         processing_mode=service.ShardingPolicy.DYNAMIC, service=address))
 
 
@@ -125,23 +134,25 @@ def losses() -> list[dict]:
     return list(_losses)
 
 
-def count_delivered(dataset, *, expected: int, pipeline_id: int,
+def count_delivered(batches, *, expected: int, pipeline_id: int,
                     training: bool):
-    """`dataset` (one service epoch) that, at its end, logs and records in
-    `losses()` how many of `expected` elements never arrived.
+    """`batches` (one service epoch of `distribute`'s batches) that, at its
+    end, logs and records in `losses()` how many of `expected` elements
+    never arrived.
 
-    Runs in the training process, a Python call per element (~50 us).
+    Runs in the training process, a Python call per batch.
     """
     import tensorflow as tf
     state = {"count": 0, "epoch": 0}
 
-    def count(*element):
-        def bump():
-            state["count"] += 1
+    def count(*batch):
+        def bump(size):
+            state["count"] += int(size)
             return 0
-        tick = tf.py_function(bump, [], tf.int32)
+        size = tf.shape(tf.nest.flatten(batch)[0])[0]
+        tick = tf.py_function(bump, [size], tf.int32)
         with tf.control_dependencies([tick]):
-            return tf.nest.map_structure(tf.identity, element)
+            return tf.nest.map_structure(tf.identity, batch)
 
     def settle(_):
         def report():
@@ -165,12 +176,12 @@ def count_delivered(dataset, *, expected: int, pipeline_id: int,
 
     # Empty, of the same structure, without a second service iterator (its
     # creation alone would start another job on the data workers).
-    spec = dataset.element_spec
+    spec = batches.element_spec
     empty = tf.data.Dataset.range(0).map(lambda _: tf.nest.map_structure(
         lambda s: tf.zeros([d or 0 for d in s.shape] if s.shape.rank
                            is not None else [], s.dtype), spec))
     end = tf.data.Dataset.range(1).map(settle).flat_map(lambda _: empty)
-    return dataset.map(count).concatenate(end)
+    return batches.map(count).concatenate(end)
 
 
 def start_dispatcher(port: int = 0, work_dir: str | None = None):
