@@ -183,6 +183,13 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
     assert f32["collectives_per_step"] == 1
     assert all(c["seconds_per_step"] > 0 for c in configs.values())
 
+    service = results["data_service"]
+    assert [service[f]["data_workers"] for f in (
+        "local", "service_1", "service_2")] == [0, 1, 2]
+    assert all(service[f]["steps_per_s"] > 0 for f in (
+        "local", "service_1", "service_2"))
+    assert service["restarts"] == 0
+
     mem = results["accumulation_memory"]
     assert mem["accumulated"]["examples_per_update"] == (
         mem["large_batch"]["examples_per_update"])
@@ -207,6 +214,7 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
 
     markdown = (out / "results.md").read_text()
     assert "Machine:" in markdown and "## Communication" in markdown
+    assert "## tf.data service" in markdown
     assert "load average" in markdown and "| status |" in markdown
     if importlib.util.find_spec("matplotlib") is not None:
         for name in ("steps_per_s.png", "scaling.png", "communication.png"):

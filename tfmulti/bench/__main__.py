@@ -54,6 +54,9 @@ MODES = {
         # 2 workers, one slowed by a competing process: even vs "auto".
         "balance": {"steps": 200, "steps_per_loop": 10,
                     "global_batch_size": 256, "width": 256},
+        # An input-bound job with 0, 1 and 2 data workers, alternating.
+        "data_service": {"replicas": 2, "steps": 40, "rounds": 5,
+                         "global_batch_size": 64},
     },
     "quick": {
         "replicas": (1, 4),
@@ -83,6 +86,8 @@ MODES = {
                            "global_batch_size": 16, "cache": False},
         "communication": {"params": 100_000, "steps": 1, "repeats": 1},
         "memory": {"batch": 16, "grad_accum_steps": 2, "steps": 1},
+        "data_service": {"replicas": 1, "steps": 2, "rounds": 1,
+                         "global_batch_size": 8},
         # Every process at once, every step-overhead layout in one process:
         # the timings mean nothing here anyway.
         "concurrent": True,
@@ -91,7 +96,8 @@ MODES = {
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "accumulation_memory", "soak", "pipeline_bubble",
-              "communication_reduction", "recipes", "balance")
+              "communication_reduction", "recipes", "balance",
+              "data_service")
 
 
 def _in_turn(calls, concurrent):
@@ -273,12 +279,22 @@ def _balance(mode, timeout):
     return balance.run(parts.run_part, mode["balance"], timeout)
 
 
+def _data_service(mode, timeout):
+    # Not in --quick: three service processes and a minute of rounds.
+    if "data_service" not in mode:
+        return None
+    from tfmulti.bench import data_service
+    return data_service.run(parts.run_part, mode["data_service"], timeout,
+                            _prepared_data_dir(mode))
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
            "pipeline_bubble": _pipeline_bubble,
            "communication_reduction": _communication_reduction,
-           "recipes": _recipes, "balance": _balance}
+           "recipes": _recipes, "balance": _balance,
+           "data_service": _data_service}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -322,7 +338,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                "communication": None, "accumulation_memory": None,
                "soak": None, "pipeline_bubble": None,
                "communication_reduction": None, "recipes": None,
-               "balance": None, "errors": {},
+               "balance": None, "data_service": None, "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):

@@ -47,7 +47,10 @@ def _in_memory(strategy, builder, global_batch_size, num_batches):
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
-def _train_loop(strategy, model, optimizer, global_batch_size):
+def train_loop(strategy, model, optimizer, global_batch_size):
+    """`train(iterator, steps)`: a compiled `tf.range` loop of plain
+    replica steps (the fastest plain loop), shared with the data_service
+    part."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=None)
 
@@ -100,7 +103,7 @@ def measure(strategy: tf.distribute.Strategy, *, data_dir: str | None = None,
         model = models.small_cnn(batch_norm=False)
         optimizer = keras.optimizers.Adam(1e-3)
         optimizer.build(model.trainable_variables)
-    train = _train_loop(strategy, model, optimizer, global_batch_size)
+    train = train_loop(strategy, model, optimizer, global_batch_size)
     def from_files(map_fn):
         return iter(pipeline.distribute_dataset(
             strategy, tfds_source.tfds_dataset_fn(shapes.NAME, "train",

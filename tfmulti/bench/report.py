@@ -339,6 +339,9 @@ def markdown(results: dict) -> str:
         from tfmulti.bench import recipe_commands
         lines += ["", "## The recipe's commands at their defaults", ""]
         lines += recipe_commands.markdown(results["recipes"])
+    if results.get("data_service"):
+        from tfmulti.bench import data_service
+        lines += data_service.markdown(results["data_service"])
     if results["errors"]:
         lines += ["", "## Errors", ""]
         lines += [f"- {part}: {msg.splitlines()[-1] if msg else ''}"
