@@ -147,7 +147,7 @@ def test_kubernetes_data_service_names_agree():
     """data-service.yaml: each data worker advertises its stable pod DNS
     name (Kubernetes restarts it there), the dispatcher address the workers
     and the training pods use is its Service, and the args parse."""
-    from tfmulti.data import service as service_lib
+    from tfmulti.data import service_server
     docs = list(yaml.safe_load_all(
         (TEMPLATES / "data-service.yaml").read_text()))
     services = {d["metadata"]["name"]: d for d in docs
@@ -157,7 +157,7 @@ def test_kubernetes_data_service_names_agree():
     dispatcher, worker = (_container(sets[name]) for name in (
         "tfmulti-data-dispatcher", "tfmulti-data-worker"))
     port = services["tfmulti-data-dispatcher"]["spec"]["ports"][0]["port"]
-    d_args = service_lib._parser().parse_args(
+    d_args = service_server.parser().parse_args(
         dispatcher["command"][3:] + dispatcher["args"])
     assert d_args.role == "dispatcher" and d_args.port == port
     assert d_args.work_dir == dispatcher["volumeMounts"][0]["mountPath"]
@@ -166,11 +166,11 @@ def test_kubernetes_data_service_names_agree():
     pod = "tfmulti-data-worker-2"  # what Kubernetes names replica 2
     assert worker["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.name")
-    w_args = service_lib._parser().parse_args(
+    w_args = service_server.parser().parse_args(
         worker["command"][3:] + [a.replace("$(POD_NAME)", pod)
                                  for a in worker["args"]])
     assert w_args.dispatcher == f"tfmulti-data-dispatcher:{port}"
-    assert service_lib.worker_host(w_args.dispatcher, w_args.worker_address
+    assert service_server.worker_host(w_args.dispatcher, w_args.worker_address
                                    ) == f"{pod}.{workers_service}"
     assert w_args.port == (
         services[workers_service]["spec"]["ports"][0]["port"])

@@ -1,6 +1,6 @@
 """tf.data service input: real dispatcher and data workers on loopback.
 
-One `python -m tfmulti.data.service local --workers 2` process serves the
+One `python -m tfmulti.data.service_server local --workers 2` process serves the
 module. Through it, on 4 mirrored replicas and on 2 worker processes:
 evaluation sees every id exactly once and Keras's weighted metrics equal one
 device (a plain dataset_fn on 4 replicas, record files sharded by file on 2
@@ -24,10 +24,10 @@ TOLERANCE = 1e-6
 
 
 def start_service(*args, lines=1, timeout=120):
-    """Starts `python -m tfmulti.data.service ARGS`; returns (proc, the
+    """Starts `python -m tfmulti.data.service_server ARGS`; returns (proc, the
     addresses it printed, in order)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tfmulti.data.service", *args],
+        [sys.executable, "-m", "tfmulti.data.service_server", *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     addresses, deadline = [], time.monotonic() + timeout
     while len(addresses) < lines:
@@ -126,12 +126,12 @@ def test_a_data_worker_tells_readers_its_host_name():
     """TensorFlow's default, `localhost`, would send readers on other
     machines to themselves: a data worker whose dispatcher is on another
     host advertises this machine's name (or --worker_address)."""
-    from tfmulti.data import service as service_lib
-    assert service_lib.worker_host("grpc://node3:5050") == (
+    from tfmulti.data import service_server
+    assert service_server.worker_host("grpc://node3:5050") == (
         socket.gethostname())
-    assert service_lib.worker_host("node3:5050", "10.0.0.7") == "10.0.0.7"
+    assert service_server.worker_host("node3:5050", "10.0.0.7") == "10.0.0.7"
     for loopback in ("127.0.0.1:5050", "localhost:5050", "[::1]:5050"):
-        assert service_lib.worker_host(loopback) == "localhost"
+        assert service_server.worker_host(loopback) == "localhost"
 
 
 @pytest.mark.slow

@@ -193,7 +193,7 @@ class Reaper:
 
 class DataService:
     """A tf.data service dispatcher and data workers (`python -m
-    tfmulti.data.service`), one process each, for the whole launch: a
+    tfmulti.data.service_server`), one process each, for the whole launch: a
     restarted training group finds them, and their jobs, where they were.
 
     Each server has its own port, and `supervise` starts one that exited
@@ -215,7 +215,7 @@ class DataService:
         self._ports = {name: _free_port(options.host) for name in (
             "dispatcher", *(f"d{i}" for i in range(options.data_workers)))}
         self.address = f"{options.host}:{self._ports['dispatcher']}"
-        module = [sys.executable, "-u", "-m", "tfmulti.data.service"]
+        module = [sys.executable, "-u", "-m", "tfmulti.data.service_server"]
         self._argv = {name: module + (
             ["dispatcher", f"--work_dir={self.work_dir}"]
             if name == "dispatcher" else
