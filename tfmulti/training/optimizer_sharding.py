@@ -15,9 +15,17 @@ RMSprop, ...): a shard's update is the slice of the full update. The
 gradient is still all-reduced and then sliced (CPU has no reduce-scatter
 in the replica context), so stage 2 is not done here.
 
-The unsharded view (`unsharded_slots`, `assign_to`, `load_from`) maps the
-shards back to the slots of an ordinary optimizer built on the model's
-variables, so checkpoints keep the unsharded format.
+The unsharded view (`assign_to`, `load_from`) maps the shards back to the
+slots of an ordinary optimizer built on the model's variables, so
+checkpoints keep the unsharded format. The Trainer builds that optimizer's
+slots in host memory, once per worker (`host_variables`), not mirrored on
+every replica: it is the checkpoint's form, written at each save.
+
+A `keras.optimizers.LossScaleOptimizer` (mixed precision, or the Trainer's
+`on_nonfinite="skip"`) is sharded through its inner optimizer; its loss
+scale stays whole. As in Keras's own apply, the finiteness check and the
+unscaling run on the reduced gradient (the same on every replica), a
+non-finite update is skipped on every shard, and the scale halves or grows.
 """
 
 from __future__ import annotations
@@ -38,12 +46,22 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
                "Adamax", "Nadam", "Lion", "Ftrl")
 
 
+def inner(optimizer):
+    """The optimizer whose state is sharded: a LossScaleOptimizer's inner
+    one, else `optimizer` itself."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 def check_shardable(optimizer) -> None:
     """Raises ValueError, naming the optimizer, if its state cannot be sharded.
 
     Args:
-      optimizer: a Keras 3 optimizer.
+      optimizer: a Keras 3 optimizer (a LossScaleOptimizer: its inner one is
+        checked).
     """
+    optimizer = inner(optimizer)
     name = type(optimizer).__name__
     cls = getattr(keras.optimizers, name, None)
     if name not in ELEMENTWISE or type(optimizer) is not cls:
@@ -116,6 +134,33 @@ def _device_local_variables():
         yield
 
 
+def host_device(strategy) -> str:
+    """The CPU of this worker's host (where its replicas' devices live)."""
+    spec = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+@contextlib.contextmanager
+def host_variables(strategy):
+    """Variables created inside are plain ones on this worker's host CPU,
+    also under `strategy`'s scope: the unsharded optimizer a sharded run
+    checkpoints lives there once per worker, not once per replica."""
+    with tf.device(host_device(strategy)), _device_local_variables():
+        yield
+
+
+def _assign(strategy, variable, value):
+    # In cross-replica context (a merge_call): `value` holds the replicas'
+    # equal values. A mirrored variable takes each replica's own copy; a
+    # plain (host) variable the first.
+    variable = _tf_variable(variable)
+    if isinstance(variable, tf.distribute.DistributedValues):
+        strategy.extended.update(variable, lambda v, x: v.assign(x),
+                                 args=(value,), group=False)
+    else:
+        variable.assign(strategy.experimental_local_results(value)[0])
+
+
 def _tf_variable(variable):
     # A Keras variable's TensorFlow (distributed) variable.
     return (variable.value if isinstance(variable, keras.Variable)
@@ -143,7 +188,11 @@ class ShardedOptimizer:
       strategy: MirroredStrategy or MultiWorkerMirroredStrategy holding the
         variables.
       optimizer: the Keras optimizer to shard (its config is cloned once per
-        local replica; the instance itself is not built or updated).
+        local replica; its slots are not updated, its step counter
+        `iterations` is advanced with every applied update, so what reads
+        it, a schedule or the Trainer's count of skipped updates, sees
+        the unsharded optimizer's count). A LossScaleOptimizer: its inner
+        optimizer is sharded and its loss scale applied (see the module).
       variables: the trainable variables, all of one floating dtype.
 
     Raises:
@@ -153,6 +202,16 @@ class ShardedOptimizer:
 
     def __init__(self, strategy, optimizer, variables):
         check_shardable(optimizer)
+        self._loss_scale = (
+            optimizer if isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer) else None)
+        if self._loss_scale is not None and not self._loss_scale.built:
+            # Its scale and step counter exist once built.
+            raise ValueError(
+                "`optimizer` is a LossScaleOptimizer that is not built; call "
+                "optimizer.build(model.trainable_variables) first.")
+        optimizer = inner(optimizer)
+        self._iterations = optimizer.iterations
         self._strategy = strategy
         self._variables = list(variables)
         dtypes = {v.dtype for v in self._variables}
@@ -184,6 +243,7 @@ class ShardedOptimizer:
                 self.optimizers.append(opt)
         # Global shard index of each local replica, learnt when traced.
         self._shard_index = {}
+        self._gather = None
 
     def _local(self, context):
         local = self.devices.index(
@@ -197,26 +257,60 @@ class ShardedOptimizer:
 
         Args:
           grads: reduced (and clipped) gradients, one per variable, the same
-            on every replica.
+            on every replica; still multiplied by the loss scale under a
+            LossScaleOptimizer.
         """
         context = tf.distribute.get_replica_context()
         local, index = self._local(context)
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, self._variables)]
+        finite, scale_state = tf.constant(True), ()
+        if self._loss_scale is not None:
+            finite, scale_state, grads = self._unscale(grads)
         shard = self.shards[local]
         shard.assign(self.layout.shard(
             self.layout.flatten([v.value for v in self._variables]), index))
-        self.optimizers[local].apply(
-            [self.layout.shard(self.layout.flatten(grads), index)], [shard])
+
+        def update():
+            self.optimizers[local].apply(
+                [self.layout.shard(self.layout.flatten(grads), index)],
+                [shard])
+            return tf.constant(True)
+        # The branch holds no collective (the shard optimizer is local), so
+        # a cond in replica context is safe; the gather below runs always.
+        if self._loss_scale is None:
+            update()
+        else:
+            tf.cond(finite, update, lambda: tf.constant(False))
         gathered = context.all_gather(shard.value, axis=0)
         values = self.layout.unflatten(gathered)
+        iterations = self._iterations.value + tf.cast(
+            finite, self._iterations.dtype)
 
-        def assign(strategy, values):
+        def assign(strategy, values, iterations, scale_state):
             for var, value in zip(self._variables, values):
-                strategy.extended.update(
-                    _tf_variable(var), lambda v, x: v.assign(x),
-                    args=(value,), group=False)
-        context.merge_call(assign, args=(values,))
+                _assign(strategy, var, value)
+            _assign(strategy, self._iterations, iterations)
+            if scale_state:
+                _assign(strategy, self._loss_scale.step_counter,
+                        scale_state[0])
+                _assign(strategy, self._loss_scale.dynamic_scale,
+                        scale_state[1])
+        context.merge_call(assign, args=(values, iterations, scale_state))
+
+    def _unscale(self, grads):
+        """Keras's LossScaleOptimizer on the reduced gradient: whether to
+        apply, the next (step counter, scale), the unscaled gradients."""
+        lso = self._loss_scale
+        finite = lso.check_finite(grads)
+        counter = tf.convert_to_tensor(lso.step_counter)
+        scale = tf.convert_to_tensor(lso.dynamic_scale)
+        grow = finite & tf.equal(counter, lso.dynamic_growth_steps - 1)
+        next_counter = tf.where(finite & ~grow, counter + 1,
+                                tf.zeros_like(counter))
+        next_scale = tf.where(grow, scale * 2.0,
+                              tf.where(finite, scale, scale * 0.5))
+        return finite, (next_counter, next_scale), [g / scale for g in grads]
 
     # --- the unsharded view ------------------------------------------------
 
@@ -268,18 +362,24 @@ class ShardedOptimizer:
     def gathered_slots(self):
         """Each slot kind as the full flat vector, gathered from all shards
         (call in cross-replica context; collective under multi-worker)."""
-        def gather():
-            context = tf.distribute.get_replica_context()
-            local, _ = self._local(context)
-            return [context.all_gather(slot.value, axis=0)
-                    for slot in self._local_slots(local)]
-        per_replica = self._strategy.run(tf.function(gather))
+        if self._gather is None:
+            @tf.function
+            def gather():
+                def replica():
+                    context = tf.distribute.get_replica_context()
+                    local, _ = self._local(context)
+                    return [context.all_gather(slot.value, axis=0)
+                            for slot in self._local_slots(local)]
+                return self._strategy.run(replica)
+            self._gather = gather
+        per_replica = self._gather()
         return [self._strategy.experimental_local_results(p)[0]
                 for p in per_replica]
 
     def assign_to(self, optimizer):
         """Writes the sharded state into `optimizer` (the same class, built on
         the model's variables), the unsharded form a checkpoint saves."""
+        optimizer = inner(optimizer)
         full = self._full_slots(optimizer)
         flats = self.gathered_slots()
         for kind, flat in zip(full, flats):
@@ -292,6 +392,7 @@ class ShardedOptimizer:
     def load_from(self, optimizer):
         """Reads the state of `optimizer` (unsharded, built on the model's
         variables; e.g. restored from a checkpoint) into the shards."""
+        optimizer = inner(optimizer)
         full = self._full_slots(optimizer)
         flats = [self.layout.flatten([s.value for s in kind]) for kind in full]
         scalars = [v.value for v in self._scalars(optimizer)]
@@ -309,13 +410,27 @@ class ShardedOptimizer:
 
     def state_bytes_per_device(self):
         """Bytes of optimizer state (slots and scalars) on each device, read
-        from where the variables were placed."""
-        out = {}
-        for opt in self.optimizers:
-            for v in opt.variables:
-                device = v.value.device
-                out[device] = out.get(device, 0) + (
-                    int(v.shape.num_elements() if hasattr(
-                        v.shape, "num_elements") else np.prod(v.shape)) *
-                    tf.as_dtype(v.dtype).size)
-        return out
+        from where the shard optimizers' variables were placed."""
+        return state_bytes_per_device(
+            self._strategy, [v for opt in self.optimizers
+                             for v in opt.variables])
+
+
+def state_bytes_per_device(strategy, variables) -> dict:
+    """Bytes of `variables` by the device each copy lives on: a mirrored
+    variable counts once on every replica's device, a plain one on its own.
+
+    Args:
+      strategy: the strategy of any distributed variables among them.
+      variables: Keras or TensorFlow variables (an optimizer's `variables`).
+    """
+    out = {}
+    for variable in variables:
+        variable = _tf_variable(variable)
+        copies = (strategy.experimental_local_results(variable)
+                  if isinstance(variable, tf.distribute.DistributedValues)
+                  else [variable])
+        for copy in copies:
+            size = int(np.prod(copy.shape)) * tf.as_dtype(copy.dtype).size
+            out[copy.device] = out.get(copy.device, 0) + size
+    return out
