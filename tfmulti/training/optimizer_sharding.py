@@ -37,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import cluster as cluster_lib
 from tfmulti import compat
 
 # Optimizers whose update of each element depends on that element's gradient,
@@ -154,10 +155,14 @@ def _assign(strategy, variable, value):
     # equal values. A mirrored variable takes each replica's own copy; a
     # plain (host) variable the first.
     variable = _tf_variable(variable)
-    if isinstance(variable, tf.distribute.DistributedValues):
+    if isinstance(variable, tf.distribute.DistributedValues) and isinstance(
+            value, tf.distribute.DistributedValues):
         strategy.extended.update(variable, lambda v, x: v.assign(x),
                                  args=(value,), group=False)
     else:
+        # One local replica: merge_call passes the value itself, which
+        # `update` would try to broadcast (MultiWorkerMirroredStrategy:
+        # "destinations can not be empty").
         variable.assign(strategy.experimental_local_results(value)[0])
 
 
@@ -202,6 +207,8 @@ class ShardedOptimizer:
 
     def __init__(self, strategy, optimizer, variables):
         check_shardable(optimizer)
+        # The optimizer this shards (a LossScaleOptimizer included).
+        self.optimizer = optimizer
         self._loss_scale = (
             optimizer if isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer) else None)
@@ -241,15 +248,20 @@ class ShardedOptimizer:
                     opt.build([shard])
                 self.shards.append(shard)
                 self.optimizers.append(opt)
-        # Global shard index of each local replica, learnt when traced.
-        self._shard_index = {}
         self._gather = None
 
     def _local(self, context):
-        local = self.devices.index(
-            _canonical(tf.nest.flatten(context.devices)[0]))
+        # Replica ids run over the workers in rank order, each worker's
+        # local replicas in the order of `worker_devices` (the replica
+        # context of MultiWorkerMirroredStrategy names no device).
         index = _static_replica_id(context)
-        self._shard_index[local] = index
+        local = index - self._first_index()
+        if not 0 <= local < len(self.devices):
+            raise RuntimeError(
+                f"Replica {index} is not one of this worker's "
+                f"{len(self.devices)} replicas from {self._first_index()}: "
+                "shard_optimizer_state needs the same number of replicas on "
+                "every worker.")
         return local, index
 
     def apply(self, grads):
@@ -282,7 +294,7 @@ class ShardedOptimizer:
             update()
         else:
             tf.cond(finite, update, lambda: tf.constant(False))
-        gathered = context.all_gather(shard.value, axis=0)
+        gathered = self._all_gather(context, shard.value, index)
         values = self.layout.unflatten(gathered)
         iterations = self._iterations.value + tf.cast(
             finite, self._iterations.dtype)
@@ -297,6 +309,25 @@ class ShardedOptimizer:
                 _assign(strategy, self._loss_scale.dynamic_scale,
                         scale_state[1])
         context.merge_call(assign, args=(values, iterations, scale_state))
+
+    def _all_gather(self, context, shard, index):
+        """The N shards concatenated, shard `index` from this replica.
+
+        MultiWorkerMirroredStrategy with ONE replica per worker cannot
+        all-gather inside a tf.function (TF 2.21: `ValueError: destinations
+        can not be empty`, cross_device_ops.validate_destinations, reached
+        from ReplicaContext.all_gather's merge_call). There, each replica
+        places its shard in zeros and the vectors are summed: exact (every
+        element has one non-zero term), at an all-reduce's cost.
+        """
+        if self.num_shards == 1:
+            return shard
+        if len(self.devices) == 1:
+            size = self.layout.shard_size
+            placed = tf.pad(shard, [[index * size,
+                                     (self.num_shards - 1 - index) * size]])
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, placed)
+        return context.all_gather(shard, axis=0)
 
     def _unscale(self, grads):
         """Keras's LossScaleOptimizer on the reduced gradient: whether to
@@ -368,7 +399,8 @@ class ShardedOptimizer:
                 def replica():
                     context = tf.distribute.get_replica_context()
                     local, _ = self._local(context)
-                    return [context.all_gather(slot.value, axis=0)
+                    index = self._first_index() + local
+                    return [self._all_gather(context, slot.value, index)
                             for slot in self._local_slots(local)]
                 return self._strategy.run(replica)
             self._gather = gather
@@ -397,16 +429,16 @@ class ShardedOptimizer:
         flats = [self.layout.flatten([s.value for s in kind]) for kind in full]
         scalars = [v.value for v in self._scalars(optimizer)]
         for local, opt in enumerate(self.optimizers):
-            index = self._shard_index.get(local, self._first_index() + local)
+            index = self._first_index() + local
             for slot, flat in zip(self._local_slots(local), flats):
                 slot.assign(self.layout.shard(flat, index))
             for mine, value in zip(self._scalars(opt), scalars):
                 mine.assign(value)
 
     def _first_index(self):
-        resolver = getattr(self._strategy, "cluster_resolver", None)
-        task = getattr(resolver, "task_id", None) or 0
-        return task * len(self.devices)
+        # The global replica id of this worker's first replica.
+        return cluster_lib.of_strategy(self._strategy).worker_rank * len(
+            self.devices)
 
     def state_bytes_per_device(self):
         """Bytes of optimizer state (slots and scalars) on each device, read
@@ -434,3 +466,4 @@ def state_bytes_per_device(strategy, variables) -> dict:
             size = int(np.prod(copy.shape)) * tf.as_dtype(copy.dtype).size
             out[copy.device] = out.get(copy.device, 0) + size
     return out
+

@@ -123,16 +123,16 @@ def check_sharding(shard_optimizer_state, *, strategy, optimizer,
     if not value:
         return False
     fix = "Pass shard_optimizer_state=False"
-    if parameter_server.is_parameter_server(strategy):
-        raise ValueError(
-            "`shard_optimizer_state`=True needs synchronous replicas, but the "
-            "strategy is ParameterServerStrategy: the parameter servers "
-            f"already hold the only copy of the optimizer state. {fix}.")
     if pipelined:
         raise ValueError(
             "`shard_optimizer_state`=True is not supported for a pipelined "
             "model: each pipeline stage already holds only its own layers' "
             f"optimizer state. {fix}.")
+    if parameter_server.is_parameter_server(strategy):
+        raise ValueError(
+            "`shard_optimizer_state`=True needs synchronous replicas, but the "
+            "strategy is ParameterServerStrategy: the parameter servers "
+            f"already hold the only copy of the optimizer state. {fix}.")
     if sync is not None:
         raise ValueError(
             f"`shard_optimizer_state`=True with `sync`={sync!r}: between "
@@ -145,11 +145,13 @@ def check_sharding(shard_optimizer_state, *, strategy, optimizer,
             f"{compression!r}: PowerSGD's dense warm-up puts the update "
             "under a tf.cond, which cannot hold the sharded update's "
             f"all-gather. {fix}, or compression=None.")
-    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    if not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                 tf.distribute.MultiWorkerMirroredStrategy)):
         raise ValueError(
             f"`shard_optimizer_state`=True shards over the replicas of a "
-            f"MirroredStrategy; the strategy is {type(strategy).__name__}. "
-            "Use tfmulti.create_strategy('mirrored'), or pass "
+            f"MirroredStrategy or MultiWorkerMirroredStrategy; the strategy "
+            f"is {type(strategy).__name__}. Use tfmulti.create_strategy("
+            "'mirrored') or 'multi_worker', or pass "
             "shard_optimizer_state=False.")
     optimizer_sharding.check_shardable(optimizer)
     if getattr(optimizer_sharding.inner(optimizer), "built", False):
