@@ -467,3 +467,33 @@ def state_bytes_per_device(strategy, variables) -> dict:
             out[copy.device] = out.get(copy.device, 0) + size
     return out
 
+
+def state_bytes(strategy, optimizer, sharding=None) -> tuple[dict, int]:
+    """The bytes of `optimizer`'s state the replicas' devices hold, by
+    device, and those of its host copy, read from where the variables live.
+
+    Unsharded, every variable counts on the device(s) it lives on (a
+    mirrored one on each replica's) and the host copy is 0. With
+    `sharding` (the ShardedOptimizer applying `optimizer`'s updates), the
+    devices hold the shards and `optimizer`'s mirrored scalars; its plain
+    (host) variables are the unsharded checkpoint form, once per worker.
+
+    Args:
+      strategy: the strategy of the run.
+      optimizer: the Keras optimizer the run was given (its `variables`).
+      sharding: the `ShardedOptimizer`, or None.
+
+    Returns:
+      ({device: bytes}, host bytes).
+    """
+    variables = list(optimizer.variables)
+    if sharding is None:
+        return state_bytes_per_device(strategy, variables), 0
+    mirrored = [v for v in variables if isinstance(
+        _tf_variable(v), tf.distribute.DistributedValues)]
+    host = [v for v in variables if not isinstance(
+        _tf_variable(v), tf.distribute.DistributedValues)]
+    per_device = state_bytes_per_device(
+        strategy, mirrored + [v for opt in sharding.optimizers
+                              for v in opt.variables])
+    return per_device, sum(state_bytes_per_device(strategy, host).values())
