@@ -54,6 +54,8 @@ MODES = {
         # 2 workers, one slowed by a competing process: even vs "auto".
         "balance": {"steps": 200, "steps_per_loop": 10,
                     "global_batch_size": 256, "width": 256},
+        "sharding": {"replicas": (2, 4), "steps": 50, "rounds": 7,
+                     "width": 512, "global_batch_size": 64},
     },
     "quick": {
         "replicas": (1, 4),
@@ -91,7 +93,7 @@ MODES = {
 }
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "accumulation_memory", "soak", "pipeline_bubble",
-              "communication_reduction", "recipes", "balance")
+              "communication_reduction", "recipes", "balance", "sharding")
 
 
 def _in_turn(calls, concurrent):
@@ -273,12 +275,22 @@ def _balance(mode, timeout):
     return balance.run(parts.run_part, mode["balance"], timeout)
 
 
+def _sharding(mode, timeout):
+    # Full runs only (`--only sharding`): two processes, four Trainers.
+    if "sharding" not in mode:
+        return None
+    settings = dict(mode["sharding"])
+    counts = settings.pop("replicas")
+    return {str(n): parts.run_part("sharding", dict(settings, replicas=n),
+                                   timeout=timeout)[0] for n in counts}
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
            "pipeline_bubble": _pipeline_bubble,
            "communication_reduction": _communication_reduction,
-           "recipes": _recipes, "balance": _balance}
+           "recipes": _recipes, "balance": _balance, "sharding": _sharding}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -322,7 +334,7 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                "communication": None, "accumulation_memory": None,
                "soak": None, "pipeline_bubble": None,
                "communication_reduction": None, "recipes": None,
-               "balance": None, "errors": {},
+               "balance": None, "sharding": None, "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):

@@ -83,6 +83,7 @@ PARTS = {
     "pipeline_bubble": ("pipeline_bubble", "measure"),
     "communication_reduction": ("communication_reduction", "worker_main"),
     "balance": ("balance", "worker_main"),
+    "sharding": ("sharding", "measure"),
 }
 
 
