@@ -37,6 +37,7 @@ def measure(*, replicas: int, steps: int, rounds: int, width: int,
     import numpy as np
     import tensorflow as tf
 
+    from tfmulti import models
     from tfmulti.training import optimizer_sharding
 
     rng = np.random.default_rng(0)
@@ -46,11 +47,7 @@ def measure(*, replicas: int, steps: int, rounds: int, width: int,
     for name, sharded in (("unsharded", False), ("sharded", True)):
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = keras.Sequential([
-                keras.Input((64,)),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dense(10)])
+            model = models.mlp(64, width, 10)
             optimizer = keras.optimizers.Adam(1e-3)
         trainers[name] = tfmulti.Trainer(
             model, optimizer, strategy=strategy, steps_per_loop=steps,
