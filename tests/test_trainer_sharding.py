@@ -213,3 +213,29 @@ def test_unsharded_checkpoint_state_lives_on_the_host(mirrored, tmp_path):
     np.testing.assert_array_equal(full_momentum.numpy(),
                                   shard_momentum.numpy())
     assert int(sharding.optimizers[0].iterations.numpy()) == 3
+
+
+def test_shards_follow_a_learning_rate_set_while_training(mirrored):
+    # Keras's LearningRateScheduler / ReduceLROnPlateau set the model
+    # optimizer's rate; the shard optimizers must use it. Rate 0 from the
+    # first step: three updates leave every weight exactly as it was.
+    model, optimizer = build(mirrored)
+    trainer = tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=mirrored,
+                              shard_optimizer_state=True, steps_per_loop=3)
+    before = [w.copy() for w in model.get_weights()]
+
+    class ZeroRate(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            trainer.optimizer.learning_rate = 0.0
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices(
+        (x, np.zeros(64, "int32"))).repeat().batch(8, drop_remainder=True)
+    trainer.fit(data, steps=3, callbacks=[ZeroRate()], verbose=0)
+    assert int(trainer.optimizer.iterations.numpy()) == 3
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    # And the Adam moments did move: the updates ran, at rate 0.
+    shard = trainer.runner.sharding.optimizers[0]
+    assert max(float(np.abs(v.numpy()).max()) for v in shard.variables
+               if v.name.endswith("_momentum")) > 0

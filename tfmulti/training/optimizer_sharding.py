@@ -219,6 +219,12 @@ class ShardedOptimizer:
                 "optimizer.build(model.trainable_variables) first.")
         optimizer = inner(optimizer)
         self._iterations = optimizer.iterations
+        # A rate held in a variable (not a schedule, which the shards
+        # evaluate on their own step) may be set while training (Keras's
+        # LearningRateScheduler, ReduceLROnPlateau): the shards follow it.
+        self._rate_source = (
+            optimizer if not isinstance(optimizer.get_config()[
+                "learning_rate"], dict) else None)
         self._strategy = strategy
         self._variables = list(variables)
         dtypes = {v.dtype for v in self._variables}
@@ -282,6 +288,12 @@ class ShardedOptimizer:
         shard = self.shards[local]
         shard.assign(self.layout.shard(
             self.layout.flatten([v.value for v in self._variables]), index))
+
+        if self._rate_source is not None:
+            # A tensor: given a (callable) Keras variable, the setter would
+            # make the shard optimizer track the model optimizer's.
+            self.optimizers[local].learning_rate = tf.convert_to_tensor(
+                self._rate_source.learning_rate)
 
         def update():
             self.optimizers[local].apply(
