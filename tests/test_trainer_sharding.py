@@ -164,6 +164,15 @@ def test_unshardable_optimizer_is_refused_by_name(mirrored):
                         shard_optimizer_state=True)
 
 
+def test_callable_learning_rate_is_refused(mirrored):
+    model, optimizer = build(
+        mirrored, lambda: keras.optimizers.Adam(lambda: 0.01))
+    with pytest.raises(ValueError, match=r"`optimizer` \(Adam\) has a "
+                       r"callable learning rate \(__lambda__\)"):
+        tfmulti.Trainer(model, optimizer, loss=LOSS, strategy=mirrored,
+                        shard_optimizer_state=True)
+
+
 def test_built_optimizer_is_refused(mirrored):
     model, optimizer = build(mirrored)
     with mirrored.scope():

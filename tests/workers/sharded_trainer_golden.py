@@ -44,7 +44,10 @@ CLIP = 0.5
 # cross-replica sum's reassociation alone moves weights by 1e-4).
 CASES = {
     "adam": (lambda: keras.optimizers.Adam(0.01), {}),
-    "adamw": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05), {}),
+    # A schedule too: the shards evaluate it on their own step counts.
+    "adamw": (lambda: keras.optimizers.AdamW(
+        keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.5),
+        weight_decay=0.05), {}),
     "sgd_momentum": (lambda: keras.optimizers.SGD(0.05, momentum=0.9), {}),
     "rmsprop": (lambda: keras.optimizers.RMSprop(0.01, momentum=0.5), {}),
     # Dynamic loss scaling decided on the reduced gradient: at the initial

@@ -74,6 +74,20 @@ def check_shardable(optimizer) -> None:
             f"shard_optimizer_state supports the element-wise Keras "
             f"optimizers {list(ELEMENTWISE)}.{why} Use one of those or "
             "shard_optimizer_state=False.")
+    try:
+        rate = optimizer.get_config()["learning_rate"]
+    except Exception as e:  # noqa: BLE001 (Keras raises several kinds)
+        rate = {"class_name": f"unserializable ({type(e).__name__}: {e})"}
+    if isinstance(rate, dict) and rate.get("class_name") not in getattr(
+            keras.optimizers.schedules, "__all__", dir(
+                keras.optimizers.schedules)):
+        # The shards are clones made through get_config / from_config: a
+        # callable rate (a lambda, a function) does not survive that.
+        raise ValueError(
+            f"`optimizer` ({name}) has a callable learning rate "
+            f"({rate.get('class_name')}), which cannot be cloned for each "
+            "shard. Pass a float or a keras.optimizers.schedules."
+            "LearningRateSchedule, or shard_optimizer_state=False.")
     for attr, fix in (("clipnorm", "clip_global_norm"),
                       ("global_clipnorm", "clip_global_norm"),
                       ("use_ema", "no EMA"),
