@@ -58,6 +58,9 @@ CASES = {
                       {"mixed_precision": "mixed_float16"}),
 }
 ACCUM = 2
+# Compared with the unsharded run on the same replicas only: one device's
+# float16 gradient overflows at other steps than a replica's.
+NO_ONE_DEVICE = ("mixed_float16",)
 
 
 def build(strategy, make_optimizer, policy=None):
@@ -151,6 +154,8 @@ def main(out, workdir, names):
         for label, layout, sharded in (("one_device", "one_device", False),
                                        ("unsharded", "mirrored4", False),
                                        ("sharded", "mirrored4", True)):
+            if label == "one_device" and name in NO_ONE_DEVICE:
+                continue
             # Tracing in a process holding many traced functions stalls in
             # Python's collector (TF 2.21; see trainer_golden.py).
             gc.collect()
