@@ -132,6 +132,24 @@ class FlatLayout:
         start = index * self.shard_size
         return flat[start:start + self.shard_size]
 
+    def shard_of(self, tensors, index: int):
+        """`shard(flatten(tensors), index)`, built from the pieces of the
+        tensors that overlap shard `index` only: 1/N of the copying, which
+        a replica does for its gradient and parameters at every update."""
+        start = index * self.shard_size
+        stop = start + self.shard_size
+        pieces, offset = [], 0
+        for tensor, size in zip(tensors, self.sizes):
+            low, high = max(start, offset), min(stop, offset + size)
+            if low < high:
+                pieces.append(tf.reshape(tensor, [-1])[low - offset:
+                                                       high - offset])
+            offset += size
+        padding = stop - max(start, min(stop, self.total))
+        if padding:
+            pieces.append(tf.zeros([padding], tensors[0].dtype))
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+
     def unflatten(self, flat):
         """The padded vector back as tensors of the variables' shapes."""
         parts = tf.split(flat[:self.total], self.sizes)
@@ -300,8 +318,8 @@ class ShardedOptimizer:
         if self._loss_scale is not None:
             finite, scale_state, grads = self._unscale(grads)
         shard = self.shards[local]
-        shard.assign(self.layout.shard(
-            self.layout.flatten([v.value for v in self._variables]), index))
+        shard.assign(self.layout.shard_of([v.value for v in self._variables],
+                                          index))
 
         if self._rate_source is not None:
             # A tensor: given a (callable) Keras variable, the setter would
@@ -311,8 +329,7 @@ class ShardedOptimizer:
 
         def update():
             self.optimizers[local].apply(
-                [self.layout.shard(self.layout.flatten(grads), index)],
-                [shard])
+                [self.layout.shard_of(grads, index)], [shard])
             return tf.constant(True)
         # The branch holds no collective (the shard optimizer is local), so
         # a cond in replica context is safe; the gather below runs always.
