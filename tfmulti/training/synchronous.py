@@ -239,6 +239,10 @@ class SynchronousRunner(runner_lib.Runner):
         if self.weight_check is not None:
             # Once per fit; a checkpoint of NaN weights is refused anyway.
             self.weight_check.check_now(step=step)
+        if self.sharding is not None:
+            # After fit the Trainer's optimizer holds the state, for a
+            # save of the user's own (model.save, a Checkpoint).
+            self.sharding.assign_to(self.parts.optimizer)
 
     # -- evaluation -----------------------------------------------------------
 
