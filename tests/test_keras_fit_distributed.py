@@ -54,6 +54,12 @@ def test_sharded_fit_matches_unsharded_and_one_device(local):
     run = local["mirrored4"]["sharded_clip_accum"]
     _assert_matches(run, local["mirrored4"]["clip_accum"])
     _assert_matches(run, local["one_device"]["clip_accum"])
+    # The end of fit gathered the momentum into model.optimizer: the
+    # unsharded run's.
+    unsharded = local["mirrored4"]["clip_accum"]["optimizer"]
+    assert len(run["optimizer"]) == len(unsharded)
+    for a, b in zip(run["optimizer"], unsharded):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
     # SGD's momentum for 195 parameters in shards of 49, its step and rate.
     assert list(run["bytes_per_device"].values()) == [49 * 4 + 8 + 4] * 4
 

@@ -111,6 +111,9 @@ def run_case(strategy, case, golden):
               "val_loss": history.history["val_loss"],
               "iterations": int(model.optimizer.iterations.numpy()),
               "weights": [w.tolist() for w in model.get_weights()],
+              # Sharded: what the end of fit gathered into it.
+              "optimizer": [v.numpy().tolist()
+                            for v in model.optimizer.variables],
               "fit_seconds": time.perf_counter() - began}
     sharding = tfmulti.keras.fit.sharding_of(model)
     if sharding is not None:

@@ -296,6 +296,10 @@ def _fit(model, *args, **kwargs):
         # creates other variables, whose broadcasts would meet this check.
         _check_workers_agree(model, state, dict(bound.arguments, x=x))
         history = type(model).fit(*bound.args, **bound.kwargs)
+        if state.sharding is not None:
+            # model.optimizer then holds the state, for model.save and the
+            # like (BackupAndRestore gathers at each of its own saves).
+            state.sharding.assign_to(model.optimizer)
     if state.epochs_begun and not state.train_calls:
         raise ValueError(
             "`x` ran out of data before the first call of the train function "
@@ -425,8 +429,9 @@ def distributed(model, *, grad_accum_steps: int = 1,
         of the parameters. `model.optimizer` (unbuilt at this call; built
         here in host memory) is the unsharded form:
         `tfmulti.keras.BackupAndRestore` gathers the shards into it before
-        each save and loads them from it after a restore; other savers
-        (`model.save`, ModelCheckpoint) see it as of the last such save.
+        each save and loads them from it after a restore, and the end of
+        each `fit` gathers them; a ModelCheckpoint during `fit` sees it as
+        of the last such gather.
 
     Returns:
       `model`.
