@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.subproc import run_python
-from tfmulti.bench import communication, parts, report, stats
+from tfmulti.bench import communication, parts, report, sharding, stats
 from tfmulti.bench import __main__ as bench_main
 
 
@@ -285,3 +285,22 @@ def test_recipe_rows_are_the_recipe_command_lines_judged_by_interval():
     results = {"recipes": {"settings": {"steps": 300, "workers": 2},
                            "rows": rows}}
     assert [g["status"] for g in report.goals(results)] == ["met", "MISSED"]
+
+
+def test_sharding_part_measures_a_half_per_device():
+    # The part in its own process, 2 simulated replicas, the smallest run:
+    # the state per device (read from the variables' placement) is half of
+    # the unsharded one, the host keeps the unsharded copy.
+    result = parts.run_part("sharding", {
+        "replicas": 2, "steps": 4, "rounds": 1, "width": 32,
+        "global_batch_size": 16}, timeout=240)[0]
+    sharded, unsharded = result["sharded"], result["unsharded"]
+    assert sharded["devices"] == unsharded["devices"] == 2
+    # Adam: 2 slots of 3466 float32 parameters plus two copies of the
+    # int64 step and float32 rate (shard and model optimizer) sharded.
+    assert unsharded["bytes_per_device"] == 2 * 3466 * 4 + 12
+    assert sharded["bytes_per_device"] == 2 * 1733 * 4 + 2 * 12
+    assert sharded["host_bytes"] == 2 * 3466 * 4
+    assert result["bytes_fraction"] <= 1 / 2 + 0.05
+    assert result["step_time_ratio"] > 0
+    assert "| 2 | 3466 |" in "\n".join(sharding.markdown({"2": result}))

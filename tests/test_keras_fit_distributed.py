@@ -48,6 +48,23 @@ def test_mirrored_fit_matches_one_device(local, case):
 
 
 @pytest.mark.slow
+def test_sharded_fit_matches_unsharded_and_one_device(local):
+    # shard_optimizer_state=True: the same updates as the unsharded
+    # `distributed` fit and one device, with 1/4 of the state per replica.
+    run = local["mirrored4"]["sharded_clip_accum"]
+    _assert_matches(run, local["mirrored4"]["clip_accum"])
+    _assert_matches(run, local["one_device"]["clip_accum"])
+    # The end of fit gathered the momentum into model.optimizer: the
+    # unsharded run's.
+    unsharded = local["mirrored4"]["clip_accum"]["optimizer"]
+    assert len(run["optimizer"]) == len(unsharded)
+    for a, b in zip(run["optimizer"], unsharded):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
+    # SGD's momentum for 195 parameters in shards of 49, its step and rate.
+    assert list(run["bytes_per_device"].values()) == [49 * 4 + 8 + 4] * 4
+
+
+@pytest.mark.slow
 def test_mirrored_evaluate_and_predict_match_one_device(local):
     run, golden = local["mirrored4"]["sgd_momentum"], local["one_device"][
         "sgd_momentum"]
@@ -71,9 +88,10 @@ def test_two_worker_fit_matches_one_device(tmp_path, local):
     golden = local["one_device"]
     for worker in workers:
         results = worker["results"]["multi_worker"]
-        assert set(results) == {"sgd_momentum", "clip_accum"}
+        assert set(results) == {"sgd_momentum", "clip_accum",
+                                "sharded_clip_accum"}
         for case, run in results.items():
-            _assert_matches(run, golden[case])
+            _assert_matches(run, golden[case.replace("sharded_", "")])
         np.testing.assert_allclose(results["sgd_momentum"]["predict"],
                                    golden["sgd_momentum"]["predict"],
                                    atol=TOLERANCE)

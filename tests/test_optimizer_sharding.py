@@ -85,3 +85,23 @@ def test_local_update_methods_exist():
         assert callable(getattr(base_optimizer.BaseOptimizer, name))
         assert callable(getattr(keras.optimizers.Adam, name))
     assert callable(getattr(keras.optimizers.Adam, "build"))
+
+
+@pytest.mark.parametrize("shapes", [[(5, 7), (7,), (7, 3), (3,)], [(5,)],
+                                    [(3, 2), (1,)]])
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 8])
+def test_shard_of_equals_the_slice_of_the_flat_vector(shapes, num_shards):
+    # The update builds its shard from the overlapping pieces only; it must
+    # be the slice of the flattened, padded vector, padding shards too
+    # (5 elements over 8 shards: three shards are all padding).
+    import tensorflow as tf
+
+    from tfmulti.training.optimizer_sharding import FlatLayout
+    rng = np.random.default_rng(0)
+    tensors = [tf.constant(rng.normal(size=s).astype("float32"))
+               for s in shapes]
+    layout = FlatLayout(shapes, num_shards)
+    flat = layout.flatten(tensors)
+    for index in range(num_shards):
+        np.testing.assert_array_equal(layout.shard_of(tensors, index),
+                                      layout.shard(flat, index))

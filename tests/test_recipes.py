@@ -44,7 +44,7 @@ def _flags(model_dir, data_dir, *extra):
             *extra]
 
 
-def _check_run(model_dir, recipe, num_replicas):
+def _check_run(model_dir, recipe, num_replicas, *, local_replicas=None):
     metrics = json.loads((model_dir / "metrics.json").read_text())
     assert METRICS_FIELDS <= set(metrics)
     assert metrics["loop"] == RECIPES[recipe]
@@ -54,6 +54,9 @@ def _check_run(model_dir, recipe, num_replicas):
     assert 0.0 <= metrics["eval"]["accuracy"] <= 1.0
     assert {"tensorflow", "keras", "tfmulti"} <= set(metrics["versions"])
     assert metrics["config"]["global_batch_size"] == 32
+    # One entry per device of the chief's replicas (one device: the CPU).
+    assert len(metrics["optimizer_state_bytes_per_device"]) == (
+        local_replicas or num_replicas)
     files = [os.path.join(d, f) for d, _, fs in os.walk(model_dir)
              for f in fs]
     assert any("tfevents" in f for f in files), files
@@ -74,6 +77,38 @@ def test_recipe_runs_end_to_end(recipe, strategy, extra, replicas, tmp_path,
                         timeout=300)
     _check_run(tmp_path / "run", recipe, replicas)
     _check_output(out, tmp_path / "run")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_shard_optimizer_state_flag(recipe, tmp_path, shapes_data_dir):
+    # 2 simulated replicas, Adam's state sharded: each device holds half of
+    # the slots (plus the step and rate scalars), the host the unsharded
+    # checkpoint form; both read from where the variables live.
+    _, out = run_python(["-m", recipe, "--strategy=mirrored",
+                         "--shard_optimizer_state",
+                         *_flags(tmp_path / "run", shapes_data_dir,
+                                 "--cpu_replicas=2")], timeout=300)
+    metrics = _check_run(tmp_path / "run", recipe, 2)
+    assert metrics["config"]["shard_optimizer_state"] is True
+    per_device = metrics["optimizer_state_bytes_per_device"]
+    host = metrics["optimizer_state_bytes_host"]
+    assert len(per_device) == 2 and host > 10_000
+    for used in per_device.values():
+        # Half of the slots, padded by at most one element per slot kind,
+        # and two copies (the shard's and the model optimizer's) of the
+        # int64 step and float32 rate.
+        assert host / 2 < used <= host / 2 + 2 * 4 + 2 * 12
+    _check_output(out, tmp_path / "run")
+
+
+def test_shard_optimizer_state_conflicts_are_usage_errors():
+    with pytest.raises(experiment.ConfigError, match=re.escape(
+            "`shard_optimizer_state`=True cannot run with "
+            "--compression=powersgd")) as caught:
+        _parse("--shard_optimizer_state", "--compression=powersgd")
+    assert caught.value.flag == "compression"
+    with pytest.raises(experiment.ConfigError, match="--strategy=one_device"):
+        _parse("--shard_optimizer_state", "--strategy=one_device")
 
 
 def _check_output(out, model_dir, chief=""):
@@ -143,7 +178,7 @@ def test_recipe_runs_on_two_workers(recipe, tmp_path, shapes_data_dir):
          sys.executable, "-m", recipe, "--strategy=multi_worker",
          *_flags(tmp_path / "run", shapes_data_dir)], timeout=360)
     assert "[w0]" in out and "[w1]" in out
-    metrics = _check_run(tmp_path / "run", recipe, 2)
+    metrics = _check_run(tmp_path / "run", recipe, 2, local_replicas=1)
     assert metrics["config"]["strategy"] == "multi_worker"
     # Progress and the summary come from the chief only.
     _check_output(out, tmp_path / "run", chief="[w0] ")

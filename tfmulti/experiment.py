@@ -240,6 +240,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 mixed_precision=config.mixed_precision,
                 model_dir=model_dir, sync=sync, compression=compression,
                 balance=balance_lib.from_flag(config.balance),
+                shard_optimizer_state=config.shard_optimizer_state,
                 **({"async_warmup_steps": config.async_warmup_steps}
                    if config.async_warmup_steps is not None else {}))
             history = trainer.fit(train, steps=total_steps, eval_data=test,
@@ -249,6 +250,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             seconds = time.perf_counter() - start
             evaluation = trainer.evaluate(test)
             traffic = trainer.communication
+            sharding = getattr(trainer.runner, "sharding", None)
             final_train = {k: history[k][-1] for k in
                            ("loss", *[m.name for m in trainer.metrics])
                            if history.get(k)}
@@ -265,7 +267,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 model, grad_accum_steps=config.grad_accum_steps,
                 clip_global_norm=config.clip_global_norm,
                 allreduce_dtype=config.allreduce_dtype, sync=sync,
-                compression=compression)
+                compression=compression,
+                shard_optimizer_state=config.shard_optimizer_state)
             epochs = max(1, -(-total_steps // steps_per_epoch))
             # The final backup stays: a later --resume with a larger
             # --steps/--epochs continues from it.
@@ -279,6 +282,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             seconds = time.perf_counter() - start
             evaluation = model.evaluate(test, verbose=0, return_dict=True)
             traffic = tfmulti.keras.communication(model)
+            sharding = tfmulti.keras.fit.sharding_of(model)
             final_train = {k: v[-1] for k, v in history.history.items()
                            if not k.startswith("val_")}
     except BaseException as e:
@@ -306,6 +310,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         "model_dir": model_dir,
         # This worker's gradient / parameter all-reduces, as issued.
         "communication": traffic,
+        **({} if plan or parameter_server.is_parameter_server(strategy)
+           else _optimizer_state_bytes(strategy, optimizer, sharding)),
         **({"balance": trainer.balance_history} if config.balance else {}),
         **_data_service_metrics(config),
         "config": _identity(config, loop),
@@ -438,6 +444,19 @@ def _data_service_metrics(config: ExperimentConfig) -> dict:
     if address is None:
         return {}
     return {"data_service": {"address": address, "lost": service.losses()}}
+
+
+def _optimizer_state_bytes(strategy, optimizer, sharding) -> dict:
+    """The optimizer state's bytes by device, read from where its variables
+    live, for sharded and unsharded runs alike (see
+    `optimizer_sharding.state_bytes`); synchronous runs only (a pipeline's
+    stage optimizers and a parameter server's variables are other
+    accounts)."""
+    from tfmulti.training import optimizer_sharding
+    per_device, host = optimizer_sharding.state_bytes(strategy, optimizer,
+                                                      sharding)
+    return {"optimizer_state_bytes_per_device": per_device,
+            "optimizer_state_bytes_host": host}
 
 
 def _floats(values: dict) -> dict[str, float]:

@@ -76,6 +76,8 @@ class ExperimentConfig:
     async_warmup_steps: int | None = None
     # None, "auto" or comma-separated weights ("3,1"): `Trainer(balance=)`.
     balance: str | None = None
+    # ZeRO-1: `Trainer(shard_optimizer_state=)` / `distributed(...)`.
+    shard_optimizer_state: bool = False
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -134,6 +136,8 @@ class ExperimentConfig:
                 f"{self.strategy!r}. Pass strategy=parameter_server, or use "
                 "warmup_steps for a synchronous run.",
                 flag="async_warmup_steps")
+        if self.shard_optimizer_state:
+            self._check_sharding()
         if (self.sync_every, self.outer_learning_rate, self.outer_momentum,
                 self.compression) != (1, 1.0, 0.0, "none"):
             # Built here so that bad values fail before any training; only
@@ -145,6 +149,31 @@ class ExperimentConfig:
                     self.compression != "none") else "sync_every") from None
         if self.pipeline_stages > 1:
             _check_pipeline(self)
+
+    def _check_sharding(self):
+        """What `shard_optimizer_state` cannot run with (the Trainer's own
+        refusals, said in flags before anything runs)."""
+        conflicts = [
+            (self.strategy in ("parameter_server", "one_device"),
+             "strategy", f"--strategy={self.strategy} (sharding needs "
+             "mirrored or multi_worker replicas)"),
+            (self.pipeline_stages > 1, "pipeline_stages",
+             f"--pipeline_stages={self.pipeline_stages} (each stage holds "
+             "only its own layers' state already)"),
+            (self.sync_every != 1 or (self.outer_learning_rate,
+                                      self.outer_momentum) != (1.0, 0.0),
+             "sync_every", "local SGD (every worker keeps its own state "
+             "between synchronisations)"),
+            (self.compression != "none", "compression",
+             f"--compression={self.compression} (its dense warm-up puts the "
+             "update under a tf.cond)"),
+        ]
+        for conflict, flag, what in conflicts:
+            if conflict:
+                raise ConfigError(
+                    f"`shard_optimizer_state`=True cannot run with {what}. "
+                    "Drop --shard_optimizer_state or that setting.",
+                    flag=flag)
 
     def communication_options(self):
         """(sync, compression) for the Trainer / `tfmulti.keras.distributed`.

@@ -143,6 +143,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                         "replica: none (even), auto (follow each replica's "
                         "measured speed) or weights per replica or worker, "
                         "e.g. 3,1 (custom loop only).", **fv)
+    flags.DEFINE_bool("shard_optimizer_state", False, "ZeRO stage 1: each "
+                      "replica keeps the optimizer state of 1/N of the "
+                      "parameters (mirrored or multi_worker); checkpoints "
+                      "stay unsharded.", **fv)
     flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD rank.",
                          lower_bound=1, **fv)
     flags.DEFINE_integer("powersgd_start_iter", None, "PowerSGD: dense "
@@ -184,7 +188,8 @@ def experiment_config(flag_values: flags.FlagValues = flags.FLAGS
         powersgd_rank=f.powersgd_rank,
         powersgd_start_iter=f.powersgd_start_iter,
         async_warmup_steps=f.async_warmup_steps,
-        balance=None if f.balance == "none" else f.balance)
+        balance=None if f.balance == "none" else f.balance,
+        shard_optimizer_state=f.shard_optimizer_state)
 
 
 def _usage_error(message: str, flag: str | None = None,

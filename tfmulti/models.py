@@ -39,3 +39,14 @@ def small_cnn(input_shape=(32, 32, 3), num_classes: int = 10, *,
     # float32 logits keep the softmax stable under a mixed-precision policy.
     outputs = layers.Dense(num_classes, dtype="float32")(x)
     return keras.Model(inputs, outputs, name="small_cnn")
+
+
+def mlp(features: int = 64, width: int = 64, num_classes: int = 10
+        ) -> keras.Model:
+    """Two ReLU layers of `width` over `features` inputs, `num_classes`
+    logits: the benchmarks' dense model."""
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(num_classes)])

@@ -57,6 +57,8 @@ MODES = {
         # An input-bound job with 0, 1 and 2 data workers, alternating.
         "data_service": {"replicas": 2, "steps": 40, "rounds": 5,
                          "global_batch_size": 64},
+        "sharding": {"replicas": (2, 4), "steps": 50, "rounds": 7,
+                     "width": 512, "global_batch_size": 64},
     },
     "quick": {
         "replicas": (1, 4),
@@ -97,7 +99,7 @@ MODES = {
 PART_NAMES = ("step_overhead", "input_pipeline", "communication",
               "accumulation_memory", "soak", "pipeline_bubble",
               "communication_reduction", "recipes", "balance",
-              "data_service")
+              "data_service", "sharding")
 
 
 def _in_turn(calls, concurrent):
@@ -288,13 +290,23 @@ def _data_service(mode, timeout):
                             _prepared_data_dir(mode))
 
 
+def _sharding(mode, timeout):
+    # Full runs only (`--only sharding`): two processes, four Trainers.
+    if "sharding" not in mode:
+        return None
+    settings = dict(mode["sharding"])
+    counts = settings.pop("replicas")
+    return {str(n): parts.run_part("sharding", dict(settings, replicas=n),
+                                   timeout=timeout)[0] for n in counts}
+
+
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
            "pipeline_bubble": _pipeline_bubble,
            "communication_reduction": _communication_reduction,
            "recipes": _recipes, "balance": _balance,
-           "data_service": _data_service}
+           "data_service": _data_service, "sharding": _sharding}
 
 
 def run(*, out: str, mode: str = "quick", only=PART_NAMES,
@@ -338,7 +350,8 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
                "communication": None, "accumulation_memory": None,
                "soak": None, "pipeline_bubble": None,
                "communication_reduction": None, "recipes": None,
-               "balance": None, "data_service": None, "errors": {},
+               "balance": None, "data_service": None, "sharding": None,
+               "errors": {},
                "load_average": {"start": load_start, "parts": {}}}
 
     def one(name):

@@ -41,6 +41,8 @@ def worker_main(*, cores, steps: int, steps_per_loop: int,
     import numpy as np
     import tensorflow as tf
 
+    from tfmulti import models
+
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4096, 64)).astype("float32")
     y = rng.integers(0, 10, size=(4096,)).astype("int32")
@@ -50,11 +52,7 @@ def worker_main(*, cores, steps: int, steps_per_loop: int,
     for name, balance in (("even", [1, 1]), ("auto", "auto")):
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = keras.Sequential([
-                keras.Input((64,)),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dense(10)])
+            model = models.mlp(64, width, 10)
             optimizer = keras.optimizers.SGD(0.01)
         trainer = tfmulti.Trainer(
             model, optimizer, strategy=strategy, balance=balance,

@@ -84,6 +84,7 @@ PARTS = {
     "communication_reduction": ("communication_reduction", "worker_main"),
     "balance": ("balance", "worker_main"),
     "data_service": ("data_service", "worker_main"),
+    "sharding": ("sharding", "measure"),
 }
 
 

@@ -335,6 +335,9 @@ def markdown(results: dict) -> str:
                   f"small_cnn, {reduced['settings']['steps']} steps of "
                   f"{reduced['settings']['global_batch_size']})", ""]
         lines += communication_reduction.markdown(reduced)
+    if results.get("sharding"):
+        from tfmulti.bench import sharding
+        lines += sharding.markdown(results["sharding"])
     if results.get("recipes"):
         from tfmulti.bench import recipe_commands
         lines += ["", "## The recipe's commands at their defaults", ""]

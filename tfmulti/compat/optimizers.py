@@ -95,9 +95,13 @@ def optimizer_built_variables(optimizer):
 def plain_variable(**kwargs):
     """A tf.Variable made without any variable creator (so not distributed
     even inside a strategy scope), placed by the enclosing `tf.device`.
-    Keyword arguments are tf.Variable's; sync/aggregation are dropped."""
+    Keyword arguments are tf.Variable's; sync/aggregation are dropped, and
+    what a strategy's `colocate_vars_with` (which Keras wraps around slot
+    creation) adds: `use_resource` (a ResourceVariable is one) and
+    `colocate_with` (the enclosing `tf.device` places it)."""
     from tensorflow.python.ops import resource_variable_ops
     for key in ("synchronization", "aggregation",
-                "experimental_enable_variable_lifting"):
+                "experimental_enable_variable_lifting", "use_resource",
+                "colocate_with"):
         kwargs.pop(key, None)
     return resource_variable_ops.ResourceVariable(**kwargs)

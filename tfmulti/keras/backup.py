@@ -15,6 +15,7 @@ part of it.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 
@@ -107,8 +108,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         optimizer, after_restore = pipelined_lib.checkpoint_optimizer(model)
         # `fit` made the train function (and its reducer) before this.
         reducer = fit_lib.reducer_of(model)
+        sharding = fit_lib.sharding_of(model)
+        if sharding is not None:
+            # The backup holds the unsharded optimizer, as the Trainer's.
+            after_restore = functools.partial(sharding.load_from,
+                                              model.optimizer)
         self._checkpointer = checkpoints_lib.Checkpointer(
             self.backup_dir, strategy, keep=2, model=model,
+            before_save=sharding and functools.partial(sharding.assign_to,
+                                                       model.optimizer),
             optimizer=optimizer, worker_state=(
                 worker_state_lib.for_training(strategy, reducer, model,
                                               model.optimizer)

@@ -21,6 +21,7 @@ Keras is patched: only attributes of that model instance change.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -39,8 +40,10 @@ from tfmulti.keras import replica_logs as logs_lib
 from tfmulti.keras import replica_loss as loss_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
+from tfmulti.training import optimizer_sharding
 from tfmulti.training import reducers
 from tfmulti.training import step as step_lib
+from tfmulti.training import trainer_args as args_lib
 from tfmulti.training import xla as xla_lib
 
 # The instance attribute holding this module's state on a model.
@@ -93,8 +96,12 @@ class _DistributedState:
     progress."""
 
     def __init__(self, options, strategy, *, jit_compile=False, sync=None,
-                 compression=None):
+                 compression=None, shard_optimizer_state=False):
         self.options = options
+        # ZeRO-1: the `optimizer_sharding.ShardedOptimizer` of the train
+        # function (made with it, for the compiled optimizer).
+        self.shard_optimizer_state = shard_optimizer_state
+        self.sharding = None
         self.jit_compile = jit_compile
         # The kept training iterator, across `fit` calls (fit_input.py).
         self.input = fit_input_lib.FitInput(strategy)
@@ -178,8 +185,7 @@ def _make_train_function(model, force=False):
     optimizer = model.optimizer
     _check_accumulation(optimizer)
     if not optimizer.built:
-        with strategy.scope():
-            optimizer.build(model.trainable_variables)
+        _build_optimizer(model, state)
     strategies.check_created_in_scope(strategy, model, optimizer)
     if not gradients_lib.reduces_gradients(optimizer):
         gradients_lib.disable_optimizer_reduction(optimizer)
@@ -190,10 +196,17 @@ def _make_train_function(model, force=False):
             compression=state.compression,
             communication_options=communication_options,
             allreduce_dtype=state.options.allreduce_dtype)
+    if state.shard_optimizer_state and (
+            state.sharding is None or state.sharding.optimizer is not
+            optimizer):
+        with strategy.scope():
+            state.sharding = optimizer_sharding.ShardedOptimizer(
+                strategy, optimizer, model.trainable_variables)
     train_step = step_lib.TrainStep(
         strategy, model, optimizer, loss_lib.compute_loss_fn(model, state),
         options=state.options, communication_options=communication_options,
-        reducer=state.reducer, jit_compile=state.jit_compile)
+        reducer=state.reducer, jit_compile=state.jit_compile,
+        sharding=state.sharding)
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = logs_lib.metrics_function(model)
     extras_read = None
@@ -227,6 +240,17 @@ def _make_train_function(model, force=False):
 
     model.train_function = train_function
     return train_function
+
+
+def _build_optimizer(model, state):
+    """Builds the compiled optimizer under the model's strategy; sharded,
+    as plain variables on the host: the unsharded form checkpoints hold
+    (`optimizer_sharding.host_variables`)."""
+    strategy = model.distribute_strategy
+    with strategy.scope(), (optimizer_sharding.host_variables(strategy)
+                            if state.shard_optimizer_state
+                            else contextlib.nullcontext()):
+        model.optimizer.build(model.trainable_variables)
 
 
 def _fit(model, *args, **kwargs):
@@ -272,6 +296,10 @@ def _fit(model, *args, **kwargs):
         # creates other variables, whose broadcasts would meet this check.
         _check_workers_agree(model, state, dict(bound.arguments, x=x))
         history = type(model).fit(*bound.args, **bound.kwargs)
+        if state.sharding is not None:
+            # model.optimizer then holds the state, for model.save and the
+            # like (BackupAndRestore gathers at each of its own saves).
+            state.sharding.assign_to(model.optimizer)
     if state.epochs_begun and not state.train_calls:
         raise ValueError(
             "`x` ran out of data before the first call of the train function "
@@ -327,6 +355,15 @@ def reducer_of(model):
     return None if state is None else state.reducer
 
 
+def sharding_of(model):
+    """The `optimizer_sharding.ShardedOptimizer` of a `distributed(model,
+    shard_optimizer_state=True)` model's train function, or None (not
+    sharded, or before the first `fit`). Its `assign_to(model.optimizer)`
+    gathers the state into the optimizer a checkpoint saves."""
+    state = getattr(model, _STATE, None)
+    return None if state is None else state.sharding
+
+
 def communication(model) -> dict:
     """All-reduce calls and payload bytes a `distributed` model's `fit` has
     issued on this worker so far (zeros before the first `fit`)."""
@@ -342,7 +379,8 @@ def communication(model) -> dict:
 def distributed(model, *, grad_accum_steps: int = 1,
                 clip_global_norm: float | None = None,
                 allreduce_dtype: str | None = None,
-                jit_compile: bool = False, sync=None, compression=None):
+                jit_compile: bool = False, sync=None, compression=None,
+                shard_optimizer_state: bool = False):
     """Makes `model.fit` train with tfmulti's step under the model's strategy.
 
     Call after `model.compile(...)` under `strategy.scope()`; then call
@@ -386,6 +424,14 @@ def distributed(model, *, grad_accum_steps: int = 1,
         every H updates. Its state is not in Keras checkpoints (use the
         Trainer to resume local SGD).
       compression: None or `tfmulti.PowerSGD(rank=r)`.
+      shard_optimizer_state: ZeRO stage 1 (`tfmulti.training.
+        optimizer_sharding`): each replica keeps the optimizer state of 1/N
+        of the parameters. `model.optimizer` (unbuilt at this call; built
+        here in host memory) is the unsharded form:
+        `tfmulti.keras.BackupAndRestore` gathers the shards into it before
+        each save and loads them from it after a restore, and the end of
+        each `fit` gathers them; a ModelCheckpoint during `fit` sees it as
+        of the last such gather.
 
     Returns:
       `model`.
@@ -398,6 +444,9 @@ def distributed(model, *, grad_accum_steps: int = 1,
     from tfmulti.keras import pipelined
     from tfmulti.pipeline import runner as pipeline_runner
     if pipeline_runner.is_pipelined(model):
+        args_lib.check_sharding(
+            shard_optimizer_state, strategy=None, optimizer=None,
+            pipelined=True, sync=sync, compression=compression)
         return pipelined.distributed(
             model, grad_accum_steps=grad_accum_steps,
             clip_global_norm=clip_global_norm,
@@ -409,10 +458,17 @@ def distributed(model, *, grad_accum_steps: int = 1,
         allreduce_dtype=allreduce_dtype)
     reducers.check_options(sync, compression,
                             allreduce_dtype=allreduce_dtype)
+    sharded = args_lib.check_sharding(
+        shard_optimizer_state, strategy=model.distribute_strategy,
+        optimizer=model.optimizer, pipelined=False, sync=sync,
+        compression=compression)
     state = _DistributedState(
         options, model.distribute_strategy,
         jit_compile=xla_lib.check_jit_compile(jit_compile), sync=sync,
-        compression=compression)
+        compression=compression, shard_optimizer_state=sharded)
+    if sharded:
+        # Now, before Keras's first `fit` builds it mirrored.
+        _build_optimizer(model, state)
     setattr(model, _STATE, state)
     # Instance attributes shadow the class's methods for this model only;
     # `compile` resets the functions to None, so they are made lazily.

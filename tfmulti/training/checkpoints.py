@@ -142,14 +142,18 @@ class Checkpointer:
         (its own per-replica values); a checkpoint is then restored only
         with every worker's state for its step, unless the number of
         workers changed (elastic resume: the chief's values only).
+      before_save: called by every worker before each save, to bring the
+        trackables up to date (a sharded optimizer gathers its shards into
+        the unsharded optimizer there), or None.
       **trackables: what to save besides the position, e.g. model=,
         optimizer=; later features add their own.
     """
 
     def __init__(self, model_dir: str, strategy, *, keep: int = _KEEP,
                  optional: tuple[str, ...] = (), worker_state=None,
-                 **trackables):
+                 before_save=None, **trackables):
         self._model_dir = os.fspath(model_dir)
+        self._before_save = before_save
         self._worker_state = worker_state
         self._cluster = cluster_lib.of_strategy(strategy)
         self._chief = self._cluster.is_chief
@@ -340,6 +344,8 @@ class Checkpointer:
         """
         if not isinstance(position, Position):
             position = Position(step=int(position))
+        if self._before_save is not None:
+            self._before_save()
         self._refuse_nonfinite(position.step)
         self._state.position = position
         self.last_saved_step = position.step

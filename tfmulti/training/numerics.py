@@ -7,6 +7,8 @@ point; checking them once per loop costs nothing inside the loop.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -54,11 +56,13 @@ def skipping_optimizer(optimizer, on_nonfinite: str):
 
 
 def guarded_optimizer(optimizer, variables, *, strategy, mixed_precision,
-                      on_nonfinite: str):
+                      on_nonfinite: str, build_scope=None):
     """`optimizer` as the runners apply it: skipping non-finite updates
     with `on_nonfinite="skip"`, with dynamic loss scaling under
-    "mixed_float16", built for `variables` under `strategy`."""
-    with strategy.scope():
+    "mixed_float16", built for `variables` under `strategy` (inside
+    `build_scope`, a context, if given: a sharded run builds the unsharded
+    form on the host, `optimizer_sharding.host_variables`)."""
+    with strategy.scope(), build_scope or contextlib.nullcontext():
         optimizer = skipping_optimizer(optimizer, on_nonfinite)
         if (mixed_precision == "mixed_float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer)):

@@ -15,9 +15,17 @@ RMSprop, ...): a shard's update is the slice of the full update. The
 gradient is still all-reduced and then sliced (CPU has no reduce-scatter
 in the replica context), so stage 2 is not done here.
 
-The unsharded view (`unsharded_slots`, `assign_to`, `load_from`) maps the
-shards back to the slots of an ordinary optimizer built on the model's
-variables, so checkpoints keep the unsharded format.
+The unsharded view (`assign_to`, `load_from`) maps the shards back to the
+slots of an ordinary optimizer built on the model's variables, so
+checkpoints keep the unsharded format. The Trainer builds that optimizer's
+slots in host memory, once per worker (`host_variables`), not mirrored on
+every replica: it is the checkpoint's form, written at each save.
+
+A `keras.optimizers.LossScaleOptimizer` (mixed precision, or the Trainer's
+`on_nonfinite="skip"`) is sharded through its inner optimizer; its loss
+scale stays whole. As in Keras's own apply, the finiteness check and the
+unscaling run on the reduced gradient (the same on every replica), a
+non-finite update is skipped on every shard, and the scale halves or grows.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmulti import cluster as cluster_lib
 from tfmulti import compat
 
 # Optimizers whose update of each element depends on that element's gradient,
@@ -38,12 +47,22 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
                "Adamax", "Nadam", "Lion", "Ftrl")
 
 
+def inner(optimizer):
+    """The optimizer whose state is sharded: a LossScaleOptimizer's inner
+    one, else `optimizer` itself."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 def check_shardable(optimizer) -> None:
     """Raises ValueError, naming the optimizer, if its state cannot be sharded.
 
     Args:
-      optimizer: a Keras 3 optimizer.
+      optimizer: a Keras 3 optimizer (a LossScaleOptimizer: its inner one is
+        checked).
     """
+    optimizer = inner(optimizer)
     name = type(optimizer).__name__
     cls = getattr(keras.optimizers, name, None)
     if name not in ELEMENTWISE or type(optimizer) is not cls:
@@ -55,6 +74,22 @@ def check_shardable(optimizer) -> None:
             f"shard_optimizer_state supports the element-wise Keras "
             f"optimizers {list(ELEMENTWISE)}.{why} Use one of those or "
             "shard_optimizer_state=False.")
+    try:
+        rate = optimizer.get_config()["learning_rate"]
+    except Exception as e:  # noqa: BLE001 (Keras raises several kinds)
+        rate = {"class_name": f"unserializable ({type(e).__name__}: {e})"}
+    # Keras serializes a lambda rate as "__lambda__", a function as
+    # "function"; schedules (tfmulti's ScaledLearningRate too) by class.
+    if isinstance(rate, dict) and (
+            rate.get("class_name") in ("__lambda__", "function") or
+            rate.get("class_name", "").startswith("unserializable")):
+        # The shards are clones made through get_config / from_config: a
+        # callable rate (a lambda, a function) does not survive that.
+        raise ValueError(
+            f"`optimizer` ({name}) has a callable learning rate "
+            f"({rate.get('class_name')}), which cannot be cloned for each "
+            "shard. Pass a float or a keras.optimizers.schedules."
+            "LearningRateSchedule, or shard_optimizer_state=False.")
     for attr, fix in (("clipnorm", "clip_global_norm"),
                       ("global_clipnorm", "clip_global_norm"),
                       ("use_ema", "no EMA"),
@@ -99,6 +134,24 @@ class FlatLayout:
         start = index * self.shard_size
         return flat[start:start + self.shard_size]
 
+    def shard_of(self, tensors, index: int):
+        """`shard(flatten(tensors), index)`, built from the pieces of the
+        tensors that overlap shard `index` only: 1/N of the copying, which
+        a replica does for its gradient and parameters at every update."""
+        start = index * self.shard_size
+        stop = start + self.shard_size
+        pieces, offset = [], 0
+        for tensor, size in zip(tensors, self.sizes):
+            low, high = max(start, offset), min(stop, offset + size)
+            if low < high:
+                pieces.append(tf.reshape(tensor, [-1])[low - offset:
+                                                       high - offset])
+            offset += size
+        padding = stop - max(start, min(stop, self.total))
+        if padding:
+            pieces.append(tf.zeros([padding], tensors[0].dtype))
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+
     def unflatten(self, flat):
         """The padded vector back as tensors of the variables' shapes."""
         parts = tf.split(flat[:self.total], self.sizes)
@@ -114,6 +167,37 @@ def _device_local_variables():
         return compat.plain_variable(**kwargs)
     with tf.variable_creator_scope(creator):
         yield
+
+
+def host_device(strategy) -> str:
+    """The CPU of this worker's host (where its replicas' devices live)."""
+    spec = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+@contextlib.contextmanager
+def host_variables(strategy):
+    """Variables created inside are plain ones on this worker's host CPU,
+    also under `strategy`'s scope: the unsharded optimizer a sharded run
+    checkpoints lives there once per worker, not once per replica."""
+    with tf.device(host_device(strategy)), _device_local_variables():
+        yield
+
+
+def _assign(strategy, variable, value):
+    # In cross-replica context (a merge_call): `value` holds the replicas'
+    # equal values. A mirrored variable takes each replica's own copy; a
+    # plain (host) variable the first.
+    variable = _tf_variable(variable)
+    if isinstance(variable, tf.distribute.DistributedValues) and isinstance(
+            value, tf.distribute.DistributedValues):
+        strategy.extended.update(variable, lambda v, x: v.assign(x),
+                                 args=(value,), group=False)
+    else:
+        # One local replica: merge_call passes the value itself, which
+        # `update` would try to broadcast (MultiWorkerMirroredStrategy:
+        # "destinations can not be empty").
+        variable.assign(strategy.experimental_local_results(value)[0])
 
 
 def _tf_variable(variable):
@@ -143,7 +227,11 @@ class ShardedOptimizer:
       strategy: MirroredStrategy or MultiWorkerMirroredStrategy holding the
         variables.
       optimizer: the Keras optimizer to shard (its config is cloned once per
-        local replica; the instance itself is not built or updated).
+        local replica; its slots are not updated, its step counter
+        `iterations` is advanced with every applied update, so what reads
+        it, a schedule or the Trainer's count of skipped updates, sees
+        the unsharded optimizer's count). A LossScaleOptimizer: its inner
+        optimizer is sharded and its loss scale applied (see the module).
       variables: the trainable variables, all of one floating dtype.
 
     Raises:
@@ -153,6 +241,24 @@ class ShardedOptimizer:
 
     def __init__(self, strategy, optimizer, variables):
         check_shardable(optimizer)
+        # The optimizer this shards (a LossScaleOptimizer included).
+        self.optimizer = optimizer
+        self._loss_scale = (
+            optimizer if isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer) else None)
+        if self._loss_scale is not None and not self._loss_scale.built:
+            # Its scale and step counter exist once built.
+            raise ValueError(
+                "`optimizer` is a LossScaleOptimizer that is not built; call "
+                "optimizer.build(model.trainable_variables) first.")
+        optimizer = inner(optimizer)
+        self._iterations = optimizer.iterations
+        # A rate held in a variable (not a schedule, which the shards
+        # evaluate on their own step) may be set while training (Keras's
+        # LearningRateScheduler, ReduceLROnPlateau): the shards follow it.
+        self._rate_source = (
+            optimizer if not isinstance(optimizer.get_config()[
+                "learning_rate"], dict) else None)
         self._strategy = strategy
         self._variables = list(variables)
         dtypes = {v.dtype for v in self._variables}
@@ -182,14 +288,20 @@ class ShardedOptimizer:
                     opt.build([shard])
                 self.shards.append(shard)
                 self.optimizers.append(opt)
-        # Global shard index of each local replica, learnt when traced.
-        self._shard_index = {}
+        self._gather = None
 
     def _local(self, context):
-        local = self.devices.index(
-            _canonical(tf.nest.flatten(context.devices)[0]))
+        # Replica ids run over the workers in rank order, each worker's
+        # local replicas in the order of `worker_devices` (the replica
+        # context of MultiWorkerMirroredStrategy names no device).
         index = _static_replica_id(context)
-        self._shard_index[local] = index
+        local = index - self._first_index()
+        if not 0 <= local < len(self.devices):
+            raise RuntimeError(
+                f"Replica {index} is not one of this worker's "
+                f"{len(self.devices)} replicas from {self._first_index()}: "
+                "shard_optimizer_state needs the same number of replicas on "
+                "every worker.")
         return local, index
 
     def apply(self, grads):
@@ -197,26 +309,84 @@ class ShardedOptimizer:
 
         Args:
           grads: reduced (and clipped) gradients, one per variable, the same
-            on every replica.
+            on every replica; still multiplied by the loss scale under a
+            LossScaleOptimizer.
         """
         context = tf.distribute.get_replica_context()
         local, index = self._local(context)
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(grads, self._variables)]
+        finite, scale_state = tf.constant(True), ()
+        if self._loss_scale is not None:
+            finite, scale_state, grads = self._unscale(grads)
         shard = self.shards[local]
-        shard.assign(self.layout.shard(
-            self.layout.flatten([v.value for v in self._variables]), index))
-        self.optimizers[local].apply(
-            [self.layout.shard(self.layout.flatten(grads), index)], [shard])
-        gathered = context.all_gather(shard.value, axis=0)
-        values = self.layout.unflatten(gathered)
+        shard.assign(self.layout.shard_of([v.value for v in self._variables],
+                                          index))
 
-        def assign(strategy, values):
+        if self._rate_source is not None:
+            # A tensor: given a (callable) Keras variable, the setter would
+            # make the shard optimizer track the model optimizer's.
+            self.optimizers[local].learning_rate = tf.convert_to_tensor(
+                self._rate_source.learning_rate)
+
+        def update():
+            self.optimizers[local].apply(
+                [self.layout.shard_of(grads, index)], [shard])
+            return tf.constant(True)
+        # The branch holds no collective (the shard optimizer is local), so
+        # a cond in replica context is safe; the gather below runs always.
+        if self._loss_scale is None:
+            update()
+        else:
+            tf.cond(finite, update, lambda: tf.constant(False))
+        gathered = self._all_gather(context, shard.value, index)
+        values = self.layout.unflatten(gathered)
+        iterations = self._iterations.value + tf.cast(
+            finite, self._iterations.dtype)
+
+        def assign(strategy, values, iterations, scale_state):
             for var, value in zip(self._variables, values):
-                strategy.extended.update(
-                    _tf_variable(var), lambda v, x: v.assign(x),
-                    args=(value,), group=False)
-        context.merge_call(assign, args=(values,))
+                _assign(strategy, var, value)
+            _assign(strategy, self._iterations, iterations)
+            if scale_state:
+                _assign(strategy, self._loss_scale.step_counter,
+                        scale_state[0])
+                _assign(strategy, self._loss_scale.dynamic_scale,
+                        scale_state[1])
+        context.merge_call(assign, args=(values, iterations, scale_state))
+
+    def _all_gather(self, context, shard, index):
+        """The N shards concatenated, shard `index` from this replica.
+
+        MultiWorkerMirroredStrategy with ONE replica per worker cannot
+        all-gather inside a tf.function (TF 2.21: `ValueError: destinations
+        can not be empty`, cross_device_ops.validate_destinations, reached
+        from ReplicaContext.all_gather's merge_call). There, each replica
+        places its shard in zeros and the vectors are summed: exact (every
+        element has one non-zero term), at an all-reduce's cost.
+        """
+        if self.num_shards == 1:
+            return shard
+        if len(self.devices) == 1:
+            size = self.layout.shard_size
+            placed = tf.pad(shard, [[index * size,
+                                     (self.num_shards - 1 - index) * size]])
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, placed)
+        return context.all_gather(shard, axis=0)
+
+    def _unscale(self, grads):
+        """Keras's LossScaleOptimizer on the reduced gradient: whether to
+        apply, the next (step counter, scale), the unscaled gradients."""
+        lso = self._loss_scale
+        finite = lso.check_finite(grads)
+        counter = tf.convert_to_tensor(lso.step_counter)
+        scale = tf.convert_to_tensor(lso.dynamic_scale)
+        grow = finite & tf.equal(counter, lso.dynamic_growth_steps - 1)
+        next_counter = tf.where(finite & ~grow, counter + 1,
+                                tf.zeros_like(counter))
+        next_scale = tf.where(grow, scale * 2.0,
+                              tf.where(finite, scale, scale * 0.5))
+        return finite, (next_counter, next_scale), [g / scale for g in grads]
 
     # --- the unsharded view ------------------------------------------------
 
@@ -268,18 +438,25 @@ class ShardedOptimizer:
     def gathered_slots(self):
         """Each slot kind as the full flat vector, gathered from all shards
         (call in cross-replica context; collective under multi-worker)."""
-        def gather():
-            context = tf.distribute.get_replica_context()
-            local, _ = self._local(context)
-            return [context.all_gather(slot.value, axis=0)
-                    for slot in self._local_slots(local)]
-        per_replica = self._strategy.run(tf.function(gather))
+        if self._gather is None:
+            @tf.function
+            def gather():
+                def replica():
+                    context = tf.distribute.get_replica_context()
+                    local, _ = self._local(context)
+                    index = self._first_index() + local
+                    return [self._all_gather(context, slot.value, index)
+                            for slot in self._local_slots(local)]
+                return self._strategy.run(replica)
+            self._gather = gather
+        per_replica = self._gather()
         return [self._strategy.experimental_local_results(p)[0]
                 for p in per_replica]
 
     def assign_to(self, optimizer):
         """Writes the sharded state into `optimizer` (the same class, built on
         the model's variables), the unsharded form a checkpoint saves."""
+        optimizer = inner(optimizer)
         full = self._full_slots(optimizer)
         flats = self.gathered_slots()
         for kind, flat in zip(full, flats):
@@ -292,30 +469,76 @@ class ShardedOptimizer:
     def load_from(self, optimizer):
         """Reads the state of `optimizer` (unsharded, built on the model's
         variables; e.g. restored from a checkpoint) into the shards."""
+        optimizer = inner(optimizer)
         full = self._full_slots(optimizer)
         flats = [self.layout.flatten([s.value for s in kind]) for kind in full]
         scalars = [v.value for v in self._scalars(optimizer)]
         for local, opt in enumerate(self.optimizers):
-            index = self._shard_index.get(local, self._first_index() + local)
+            index = self._first_index() + local
             for slot, flat in zip(self._local_slots(local), flats):
                 slot.assign(self.layout.shard(flat, index))
             for mine, value in zip(self._scalars(opt), scalars):
                 mine.assign(value)
 
     def _first_index(self):
-        resolver = getattr(self._strategy, "cluster_resolver", None)
-        task = getattr(resolver, "task_id", None) or 0
-        return task * len(self.devices)
+        # The global replica id of this worker's first replica.
+        return cluster_lib.of_strategy(self._strategy).worker_rank * len(
+            self.devices)
 
     def state_bytes_per_device(self):
         """Bytes of optimizer state (slots and scalars) on each device, read
-        from where the variables were placed."""
-        out = {}
-        for opt in self.optimizers:
-            for v in opt.variables:
-                device = v.value.device
-                out[device] = out.get(device, 0) + (
-                    int(v.shape.num_elements() if hasattr(
-                        v.shape, "num_elements") else np.prod(v.shape)) *
-                    tf.as_dtype(v.dtype).size)
-        return out
+        from where the shard optimizers' variables were placed."""
+        return state_bytes_per_device(
+            self._strategy, [v for opt in self.optimizers
+                             for v in opt.variables])
+
+
+def state_bytes_per_device(strategy, variables) -> dict:
+    """Bytes of `variables` by the device each copy lives on: a mirrored
+    variable counts once on every replica's device, a plain one on its own.
+
+    Args:
+      strategy: the strategy of any distributed variables among them.
+      variables: Keras or TensorFlow variables (an optimizer's `variables`).
+    """
+    out = {}
+    for variable in variables:
+        variable = _tf_variable(variable)
+        copies = (strategy.experimental_local_results(variable)
+                  if isinstance(variable, tf.distribute.DistributedValues)
+                  else [variable])
+        for copy in copies:
+            size = int(np.prod(copy.shape)) * tf.as_dtype(copy.dtype).size
+            out[copy.device] = out.get(copy.device, 0) + size
+    return out
+
+
+def state_bytes(strategy, optimizer, sharding=None) -> tuple[dict, int]:
+    """The bytes of `optimizer`'s state the replicas' devices hold, by
+    device, and those of its host copy, read from where the variables live.
+
+    Unsharded, every variable counts on the device(s) it lives on (a
+    mirrored one on each replica's) and the host copy is 0. With
+    `sharding` (the ShardedOptimizer applying `optimizer`'s updates), the
+    devices hold the shards and `optimizer`'s mirrored scalars; its plain
+    (host) variables are the unsharded checkpoint form, once per worker.
+
+    Args:
+      strategy: the strategy of the run.
+      optimizer: the Keras optimizer the run was given (its `variables`).
+      sharding: the `ShardedOptimizer`, or None.
+
+    Returns:
+      ({device: bytes}, host bytes).
+    """
+    variables = list(optimizer.variables)
+    if sharding is None:
+        return state_bytes_per_device(strategy, variables), 0
+    mirrored = [v for v in variables if isinstance(
+        _tf_variable(v), tf.distribute.DistributedValues)]
+    host = [v for v in variables if not isinstance(
+        _tf_variable(v), tf.distribute.DistributedValues)]
+    per_device = state_bytes_per_device(
+        strategy, mirrored + [v for opt in sharding.optimizers
+                              for v in opt.variables])
+    return per_device, sum(state_bytes_per_device(strategy, host).values())

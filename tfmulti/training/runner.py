@@ -148,7 +148,8 @@ class LoopOutput:
 class Runner:
     """One way of training under the Trainer. The Trainer calls, per `fit`:
     `guard`, `begin`, then (with `model_dir`) builds a Checkpointer of
-    `trackables()` and calls `restored` if one was restored; then
+    `trackables()` (calling `before_save` before each save) and calls
+    `restored` if one was restored; then
     `prepare`, then `run_loop` loop after loop inside `translating`, then
     `finish`. `evaluate` may be called at any time.
 
@@ -191,6 +192,10 @@ class Runner:
     def restored(self, position, *, batch: int, missing) -> None:
         """Called after a checkpoint at `position` was restored (`missing`:
         the optional trackables it did not hold)."""
+
+    def before_save(self) -> None:
+        """Called on every worker before each checkpoint save, to bring the
+        trackables up to date."""
 
     def prepare(self, *, step: int, steps: int, batch: int,
                 verbose: int) -> None:

@@ -19,6 +19,7 @@ from tfmulti.training import agreement
 from tfmulti.training import data_checks
 from tfmulti.training import loop as loop_lib
 from tfmulti.training import numerics
+from tfmulti.training import optimizer_sharding
 from tfmulti.training import runner as runner_lib
 from tfmulti.training import step as step_lib
 from tfmulti.training import worker_state as worker_state_lib
@@ -31,6 +32,10 @@ class SynchronousRunner(runner_lib.Runner):
       steps_per_loop: steps per `tf.function` call (agreed by the workers).
       jit_compile: XLA for each replica's forward and backward.
       balancer: a `balancing.Balancer`, or None (an even split).
+      shard_optimizer_state: apply updates through an
+        `optimizer_sharding.ShardedOptimizer` (ZeRO-1) built here; the
+        Trainer's optimizer is then the unsharded form checkpoints hold,
+        written before each save and read after each restore.
     """
 
     optional = ("iterator",)
@@ -39,9 +44,15 @@ class SynchronousRunner(runner_lib.Runner):
     checks_weights = True
 
     def __init__(self, parts: runner_lib.Parts, *, reducer, steps_per_loop,
-                 jit_compile, balancer=None):
+                 jit_compile, balancer=None, shard_optimizer_state=False):
         self.parts = parts
         self.strategy = parts.strategy
+        self.sharding = None
+        if shard_optimizer_state:
+            with self.strategy.scope():
+                self.sharding = optimizer_sharding.ShardedOptimizer(
+                    self.strategy, parts.optimizer,
+                    parts.model.trainable_variables)
         self.reducer = reducer
         self.balancer = balancer
         self._steps_per_loop = steps_per_loop
@@ -155,6 +166,13 @@ class SynchronousRunner(runner_lib.Runner):
             loop_lib.skip_batches(self.iterator, (
                 position.examples // batch if position.examples
                 else position.step * self.parts.options.grad_accum_steps))
+        if self.sharding is not None:
+            self.sharding.load_from(self.parts.optimizer)
+
+    def before_save(self):
+        if self.sharding is not None:
+            # The checkpoint holds the unsharded optimizer.
+            self.sharding.assign_to(self.parts.optimizer)
 
     # -- training -------------------------------------------------------------
 
@@ -168,7 +186,7 @@ class SynchronousRunner(runner_lib.Runner):
                 metrics=parts.metrics,
                 communication_options=strategies.communication_options(
                     self.strategy), reducer=self.reducer,
-                jit_compile=self._jit_compile,
+                jit_compile=self._jit_compile, sharding=self.sharding,
                 timer=self.balancer and self.balancer.timer)
             self.loops[batch] = loop_lib.create_train_loop(
                 train_step, strategy=self.strategy, metrics=parts.metrics,
@@ -221,6 +239,10 @@ class SynchronousRunner(runner_lib.Runner):
         if self.weight_check is not None:
             # Once per fit; a checkpoint of NaN weights is refused anyway.
             self.weight_check.check_now(step=step)
+        if self.sharding is not None:
+            # After fit the Trainer's optimizer holds the state, for a
+            # save of the user's own (model.save, a Checkpoint).
+            self.sharding.assign_to(self.parts.optimizer)
 
     # -- evaluation -----------------------------------------------------------
 

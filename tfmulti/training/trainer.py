@@ -21,7 +21,8 @@ from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
 from tfmulti.training import history as history_lib
 from tfmulti.training import gradients as gradients_lib
-from tfmulti.training import numerics, preemption, reducers, resume
+from tfmulti.training import numerics, optimizer_sharding, preemption
+from tfmulti.training import reducers, resume
 from tfmulti.training import runner as runner_lib
 from tfmulti.training import step as step_lib
 from tfmulti.training import synchronous
@@ -71,6 +72,13 @@ class Trainer:
         global batch follows its measured speed, updated between loops) or
         a list of weights, one per replica or per worker (fixed shares);
         the updates are those of the even split (`tfmulti.balance`).
+      shard_optimizer_state: ZeRO stage 1 over a MirroredStrategy's
+        replicas: each replica keeps the optimizer state of 1/N of the
+        parameters (`optimizer_sharding`), with the updates of the
+        unsharded optimizer; checkpoints stay in the unsharded form (kept
+        in host memory, once per worker), so a run resumes sharded or not
+        on any number of replicas. Pass an unbuilt, element-wise Keras
+        optimizer (SGD, Adam, AdamW, RMSprop, ...).
     """
 
     def __init__(self, model, optimizer=None, *, loss=None, strategy=None,
@@ -78,7 +86,8 @@ class Trainer:
                  allreduce_dtype=None, steps_per_loop=100,
                  mixed_precision=None, model_dir=None,
                  on_nonfinite="raise", sync=None, compression=None,
-                 jit_compile=False, async_warmup_steps=None, balance=None):
+                 jit_compile=False, async_warmup_steps=None, balance=None,
+                 shard_optimizer_state=False):
         # A PipelinedModel brings its own step (a part the synchronous
         # runner plugs in); the rest of fit is shared.
         pipeline = runner_lib.model_runner(
@@ -105,6 +114,10 @@ class Trainer:
             "It is how many steps run inside one tf.function call.")
         warmup = args_lib.async_warmup_steps(async_warmup_steps,
                                              self.strategy)
+        sharded = args_lib.check_sharding(
+            shard_optimizer_state, strategy=self.strategy,
+            optimizer=optimizer, pipelined=pipeline is not None, sync=sync,
+            compression=compression)
         if pipeline is None:
             strategies.check_created_in_scope(self.strategy, model,
                                               optimizer)
@@ -116,7 +129,9 @@ class Trainer:
         jit_compile = xla_lib.check_jit_compile(jit_compile)
         optimizer = numerics.guarded_optimizer(
             optimizer, model.trainable_variables, strategy=self.strategy,
-            mixed_precision=self.mixed_precision, on_nonfinite=on_nonfinite)
+            mixed_precision=self.mixed_precision, on_nonfinite=on_nonfinite,
+            build_scope=optimizer_sharding.host_variables(self.strategy)
+            if sharded else None)
         with self.strategy.scope():
             self.metrics = [args_lib.resolve_metric(m, self.strategy)
                             for m in metrics]
@@ -139,14 +154,17 @@ class Trainer:
         balancer = balancing.for_trainer(
             self.strategy, balance, pipelined=pipeline is not None,
             asynchronous=asynchronous, jit_compile=jit_compile)
-        self.runner = async_trainer.AsyncRunner(
-            parts, model_dir=model_dir, warmup_steps=warmup) if (
-                asynchronous) else (
-                    synchronous.SynchronousRunner if pipeline is None
-                    else pipeline.trainer_runner)(
-                        parts, reducer=self._reducer, balancer=balancer,
-                        steps_per_loop=self._steps_per_loop,
-                        jit_compile=jit_compile)
+        runner_options = dict(reducer=self._reducer, balancer=balancer,
+                              steps_per_loop=self._steps_per_loop,
+                              jit_compile=jit_compile)
+        if asynchronous:
+            self.runner = async_trainer.AsyncRunner(
+                parts, model_dir=model_dir, warmup_steps=warmup)
+        elif pipeline is not None:
+            self.runner = pipeline.trainer_runner(parts, **runner_options)
+        else:
+            self.runner = synchronous.SynchronousRunner(
+                parts, shard_optimizer_state=sharded, **runner_options)
 
     @property
     def step(self) -> int:
@@ -178,7 +196,8 @@ class Trainer:
         runner = self.runner
         checkpointer = checkpoints_lib.Checkpointer(
             self.model_dir, self.strategy, optional=runner.optional,
-            worker_state=runner.worker_state(), **runner.trackables())
+            worker_state=runner.worker_state(),
+            before_save=runner.before_save, **runner.trackables())
 
         def after(position):
             if position.global_batch_size not in (None, batch):
