@@ -29,7 +29,7 @@ LAYERS = (
     ("training", ("training",)),
     ("pipeline", ("pipeline",)),
     ("keras", ("keras",)),
-    ("experiment", ("models", "experiment_config", "experiment")),
+    ("experiment", ("models", "experiment_config", "run_end", "experiment")),
     ("entry points", ("flags", "launch_processes", "launch", "doctor", "bench",
                       "__main__")),
 )

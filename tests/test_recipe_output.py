@@ -160,7 +160,7 @@ def test_a_run_stopped_by_an_error_ends_with_a_whole_summary(tmp_path):
     import numpy as np
     import tensorflow as tf
     import tfmulti
-    from tfmulti import experiment, progress
+    from tfmulti import progress, run_end
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
@@ -180,7 +180,7 @@ def test_a_run_stopped_by_an_error_ends_with_a_whole_summary(tmp_path):
     with pytest.raises(tfmulti.NonFiniteLossError) as error:
         trainer.fit(data, steps=20, callbacks=[logger], verbose=0)
     text = progress.stopped_summary(
-        logger, reason=experiment._stop_reason(error.value), num_replicas=1,
+        logger, reason=run_end.stop_reason(error.value), num_replicas=1,
         model_dir=str(tmp_path), wall_seconds=1.0,
         checkpoints=str(tmp_path))
     head, rows = _summary(text)

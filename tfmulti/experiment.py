@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from tfmulti import balance as balance_lib
-from tfmulti import exit_codes, rundir
+from tfmulti import exit_codes, run_end, rundir
 from tfmulti import experiment_config as config_lib
 # The configuration, with the run that takes it.
 from tfmulti.experiment_config import ConfigError, ExperimentConfig
@@ -151,9 +151,9 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     versions = {"tfmulti": tfmulti.__version__, "tensorflow": tf.__version__,
                 "keras": keras.__version__}
     examples_per_update = config.global_batch_size * config.grad_accum_steps
-    steps_per_epoch, total_steps = run_length(
+    steps_per_epoch, total_steps = run_end.run_length(
         config, examples_per_update=examples_per_update)
-    reached = _check_end(config, run, loop, total_steps)
+    reached = run_end.check_end(config, run, loop, total_steps)
     if is_chief:
         now = rundir.timestamp()
         saved = run.saved_config or {}
@@ -278,7 +278,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 validation_data=test, verbose=0,
                 callbacks=[*tfmulti.keras.callbacks(model_dir,
                                                     keep_backup=True),
-                           _stop_at(total_steps), progress_logger])
+                           run_end.stop_at(total_steps), progress_logger])
             seconds = time.perf_counter() - start
             evaluation = model.evaluate(test, verbose=0, return_dict=True)
             traffic = tfmulti.keras.communication(model)
@@ -288,7 +288,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     except BaseException as e:
         if is_chief and verbose:
             print(progress.stopped_summary(
-                progress_logger, reason=_stop_reason(e),
+                progress_logger, reason=run_end.stop_reason(e),
                 num_replicas=strategy.num_replicas_in_sync,
                 model_dir=model_dir, checkpoints=checkpoints,
                 wall_seconds=time.perf_counter() - began), flush=True)
@@ -354,86 +354,6 @@ def input_data(config: ExperimentConfig, strategy):
         strategy, train_fn, global_batch_size=config.global_batch_size,
         seed=config.seed, service=config.data_service)
     return info, train, test
-
-
-def run_length(config: ExperimentConfig, *,
-               examples_per_update: int) -> tuple[int, int]:
-    """(steps per epoch, the global step training ends at)."""
-    from tfmulti import data
-    info = data.tfds_dataset_fn(config.dataset, "train",
-                                data_dir=config.data_dir).builder.info
-    steps_per_epoch = max(1, info.splits["train"].num_examples //
-                          examples_per_update)
-    return steps_per_epoch, config.steps or config.epochs * steps_per_epoch
-
-
-def _check_end(config: ExperimentConfig, run: rundir.RunDir, loop: str,
-               total_steps: int) -> int | None:
-    """The step a continued run has reached (None for a new run).
-
-    Raises:
-      ConfigError: the end asked for is before that step.
-      tfmulti.rundir.NothingToTrain: it is that step.
-    """
-    if not run.resuming:
-        return None
-    from tfmulti.training import checkpoints
-    # The newest checkpoint; a finished run's metrics.json, if an extension
-    # of it was stopped before its first checkpoint.
-    steps = [s for s in (run.finished_steps, checkpoints.latest_step(
-        os.path.join(run.path, *(() if loop == "trainer" else (
-            _backup_dir(),))))) if s is not None]
-    reached = max(steps) if steps else None
-    if reached is None or total_steps > reached or (
-            total_steps == reached != run.finished_steps):
-        # The last case: stopped after its last checkpoint, before writing
-        # metrics.json for it; it evaluates and writes them.
-        return reached
-    flag = "steps" if config.steps else "epochs"
-    asked = (f"`--steps`={config.steps}" if config.steps else
-             f"`--epochs`={config.epochs} ({total_steps} steps)")
-    if total_steps == reached:
-        raise rundir.NothingToTrain(
-            f"nothing to train: the run in {run.path!r} has reached step "
-            f"{reached}, where {asked} ends; pass a larger --{flag} to train "
-            "longer.")
-    raise ConfigError(
-        f"{asked} ends before step {reached}, which the run in "
-        f"{run.path!r} has reached: a run is continued, never shortened. "
-        f"Pass a --{flag} that ends after step {reached} to train longer, or "
-        "start a new run without --resume.", flag=flag)
-
-
-def _backup_dir() -> str:
-    from tfmulti.keras import backup
-    return backup.BACKUP_DIR
-
-
-def _stop_reason(error: BaseException) -> str:
-    from tfmulti import exit_codes
-    if isinstance(error, SystemExit) and (
-            error.code == exit_codes.PREEMPTED):
-        return ("preempted: the last checkpoint is current; --resume "
-                "continues from it")
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted; --resume continues from the last checkpoint"
-    text = str(error).strip().splitlines()
-    return (f"{type(error).__name__}" + (f": {text[0][:200]}" if text else "")
-            + "; traceback below")
-
-
-def _stop_at(total_steps: int):
-    """A callback that stops Keras `fit` at `total_steps` updates, inside
-    its last epoch (`fit` runs whole epochs; `--steps` need not be a
-    multiple of one)."""
-    import keras
-
-    class StopAt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations.numpy()) >= total_steps:
-                self.model.stop_training = True
-
-    return StopAt()
 
 
 def _data_service_metrics(config: ExperimentConfig) -> dict:
