@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 
 import pytest
 
@@ -130,6 +131,29 @@ def test_a_failed_layout_keeps_the_others_and_is_listed(monkeypatch):
     assert mode["calibration"]["steps_per_s"] == 10.0
     # Set-up time is recorded per layout (wall minus timed rounds).
     assert "setup_s" in results["mlp"]["4"]
+
+
+def test_budgeted_layouts_share_what_is_left_set_up_included(monkeypatch):
+    """To a budget, each layout's process gets a deadline: an equal share
+    of the time left (its set-up counts against it), so a long set-up
+    shortens its own rounds instead of passing the budget."""
+    shares = []
+
+    def part(name, kwargs, timeout):
+        shares.append(kwargs["deadline"] - time.time())
+        time.sleep(0.2)  # this layout's set-up and rounds
+        return [{"model": kwargs["model"], "replicas": kwargs["replicas"],
+                 "bare_loop_32": 10.0, "timing_s": 0.1,
+                 "load_average": {"before": (1.0, 1.0, 1.0)}}]
+
+    monkeypatch.setattr(parts, "run_part", part)
+    mode = dict(bench_main.MODES["quick"], reserve_seconds=2.0,
+                deadline=time.monotonic() + 10.0)
+    bench_main._step_overhead(mode, 10)
+    assert len(shares) == 4
+    assert shares[0] == pytest.approx(8.0 / 4, abs=0.1)
+    # The last layout gets everything left: 8 s less what the others took.
+    assert shares[-1] == pytest.approx(8.0 - 3 * 0.2, abs=0.15)
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ MODES = {
         # paired rounds until every goal ratio's 95% interval is narrower
         # than `ci_width` (high/low - 1) or their share of the budget is
         # spent. They run last; `reserve_seconds` is left for the report
-        # and for a set-up longer than the last layout's. Only what a
+        # and the last round that passes a layout's deadline. Only what a
         # goal is judged by: XLA on the CNN, no steps_per_loop=1 Trainer.
         "budget_seconds": 180,
         "reserve_seconds": 15,
@@ -119,21 +119,25 @@ def _step_overhead(mode, timeout):
             **{model: mode[model] for model in ("mlp", "cnn")}},
             timeout=timeout)[0]
 
-    layouts = [(model, n) for n in mode["replicas"]
-               for model in ("mlp", "cnn")]
-    # Set-up (process start, building and tracing every variant) of a
-    # layout, before its timed rounds; refined by each layout measured.
-    setup = {"seconds": 30.0}
-
+    # The longest set-ups first (most replicas; the CNN's XLA compile):
+    # a set-up longer than its share is then made up by the layouts after
+    # it, and the last, shortest one ends close to the deadline.
+    layouts = [(model, n) for n in sorted(mode["replicas"], reverse=True)
+               for model in ("cnn", "mlp")]
+    # The machine's calibration: the MLP's bare loop on the fewest replicas.
+    calibrating = ("mlp", min(mode["replicas"]))
     def layout(model, n):
         def call():
             kwargs = dict(mode[model], replicas=n, model=model)
             if "deadline" in mode:
+                # An equal share of what is left, its set-up included: the
+                # layout's process times rounds until its own deadline, so
+                # a set-up longer than expected (4 replicas, an XLA
+                # compile, load) shortens its rounds, not the budget.
                 left = mode["deadline"] - mode["reserve_seconds"] - (
                     time.monotonic())
                 layouts_left = len(layouts) - layouts.index((model, n))
-                kwargs["budget_seconds"] = max(
-                    left / layouts_left - setup["seconds"], 5.0)
+                kwargs["deadline"] = time.time() + left / layouts_left
             began = time.monotonic()
             try:
                 figures = parts.run_part("step_overhead", kwargs,
@@ -144,11 +148,10 @@ def _step_overhead(mode, timeout):
                 print(f"tfmulti.bench: step_overhead {model} N={n} FAILED:\n"
                       f"{traceback.format_exc()[-1000:]}", flush=True)
                 return None
-            setup["seconds"] = time.monotonic() - began - figures.get(
-                "timing_s", 0.0)
-            figures["setup_s"] = setup["seconds"]
-            if (model, n) == layouts[0]:
-                # The machine's calibration, first: compare rates through it.
+            figures["setup_s"] = (time.monotonic() - began -
+                                  figures.get("timing_s", 0.0))
+            if (model, n) == calibrating:
+                # Compare rates between machines through it.
                 calibration = report.calibration(figures)
                 mode["calibration"] = calibration
                 print(f"tfmulti.bench: calibration: {calibration['name']} "

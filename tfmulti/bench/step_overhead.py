@@ -209,8 +209,8 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         steps: int = 256, repeats: int = 5, model: str = "mlp",
         xla: bool = True, steps_per_loop_1: bool = True,
         devices=None, budget_seconds: float | None = None,
-        ci_width: float | None = None, min_rounds: int = 3,
-        warmup: bool = True) -> dict:
+        deadline: float | None = None, ci_width: float | None = None,
+        min_rounds: int = 3, warmup: bool = True) -> dict:
     """Measures every variant in this process; returns the figures.
 
     Must run in a fresh process (it lays out `replicas` simulated devices),
@@ -226,7 +226,8 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     Rounds: `repeats` of them; or, with `budget_seconds` or `ci_width`, at
     least `min_rounds` and at most `repeats`, stopping as soon as every
     goal ratio's interval is narrower than `ci_width` (relative:
-    high/low - 1) or the next round would pass `budget_seconds` of timing.
+    high/low - 1) or the next round would pass `budget_seconds` of timing
+    or `deadline` (a `time.time()`; set-up and warm-up count against it).
 
     The ceiling, "bare_loop_32", is the faster (geometric mean over the
     rounds) of two bare loop structures (`_bare_loop`), both reported;
@@ -276,6 +277,10 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
                                  name="trainer_32_xla", jit_compile=True))
     for timed in variants if warmup else ():  # warm-up round, untimed
         timed()
+    if deadline is not None:
+        left = deadline - time.time()
+        budget_seconds = left if budget_seconds is None else min(
+            budget_seconds, left)
     adaptive = budget_seconds is not None or ci_width is not None
     rounds = {}
     intervals = {}
