@@ -139,8 +139,10 @@ def mirrored():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"shard_optimizer_state": 1}, r"`shard_optimizer_state` should be "
-     r"True or False, got 1"),
+    ({"shard_optimizer_state": 3}, r"`shard_optimizer_state` should be "
+     r"False, True \(stage 1\), 1 or 2 \(the ZeRO stage.*got 3"),
+    ({"shard_optimizer_state": "2"}, r"`shard_optimizer_state` should be "
+     r".*got '2'"),
     ({"sync": "local_sgd"}, r"`sync`=LocalSGD\(.*shard_optimizer_state=False"),
     ({"compression": "powersgd"}, r"`compression`=PowerSGD\(.*tf.cond"),
 ])

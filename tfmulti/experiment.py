@@ -369,12 +369,12 @@ def _data_service_metrics(config: ExperimentConfig) -> dict:
 def _optimizer_state_bytes(strategy, optimizer, sharding) -> dict:
     """The optimizer state's bytes by device, read from where its variables
     live, for sharded and unsharded runs alike (see
-    `optimizer_sharding.state_bytes`); synchronous runs only (a pipeline's
+    `optimizer_memory.state_bytes`); synchronous runs only (a pipeline's
     stage optimizers and a parameter server's variables are other
     accounts)."""
-    from tfmulti.training import optimizer_sharding
-    per_device, host = optimizer_sharding.state_bytes(strategy, optimizer,
-                                                      sharding)
+    from tfmulti.training import optimizer_memory
+    per_device, host = optimizer_memory.state_bytes(strategy, optimizer,
+                                                    sharding)
     return {"optimizer_state_bytes_per_device": per_device,
             "optimizer_state_bytes_host": host}
 

@@ -6,7 +6,7 @@ sharded (ZeRO-1, `Trainer(shard_optimizer_state=True)`) against unsharded.
 One process per replica count N (simulated CPU devices, MirroredStrategy)
 builds the same MLP twice with Adam, sharded and unsharded, and reports
 the optimizer state each replica's device holds, read from where the
-variables live (`optimizer_sharding.state_bytes`), the host copy a sharded
+variables live (`optimizer_memory.state_bytes`), the host copy a sharded
 run keeps for its checkpoints, and the steady step time of both, measured
 in paired rounds (one loop of each in turn, the tracing loop left out).
 Which collective ran: on CPU the gradient is all-reduced and then sliced
@@ -38,7 +38,7 @@ def measure(*, replicas: int, steps: int, rounds: int, width: int,
     import tensorflow as tf
 
     from tfmulti import models
-    from tfmulti.training import optimizer_sharding
+    from tfmulti.training import optimizer_memory
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4096, 64)).astype("float32")
@@ -58,7 +58,7 @@ def measure(*, replicas: int, steps: int, rounds: int, width: int,
         ).batch(global_batch_size, drop_remainder=True)
         # The first loop traces.
         trainers[name].fit(data[name], steps=steps, verbose=0)
-        per_device, host = optimizer_sharding.state_bytes(
+        per_device, host = optimizer_memory.state_bytes(
             strategy, optimizer, trainers[name].runner.sharding)
         out[name] = {"bytes_per_device": max(per_device.values()),
                      "devices": len(per_device), "host_bytes": host,

@@ -28,19 +28,20 @@ import inspect
 import keras
 import tensorflow as tf
 
-from tfmulti import compat, peer_failure
+from tfmulti import peer_failure
 from tfmulti import strategies
 from tfmulti.data import finiteness
 from tfmulti.training import agreement
 from tfmulti.training import communication as communication_lib
 from tfmulti.training import data_checks
 from tfmulti.keras import evaluate as evaluate_lib
+from tfmulti.keras import fit_checks as checks
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.keras import replica_logs as logs_lib
 from tfmulti.keras import replica_loss as loss_lib
 from tfmulti.training import gradients as gradients_lib
 from tfmulti.training import loop as loop_lib
-from tfmulti.training import optimizer_sharding
+from tfmulti.training import optimizer_sharding, shard_placement
 from tfmulti.training import reducers
 from tfmulti.training import step as step_lib
 from tfmulti.training import trainer_args as args_lib
@@ -50,53 +51,13 @@ from tfmulti.training import xla as xla_lib
 _STATE = "_tfmulti_fit"
 
 
-def _check_accumulation(optimizer):
-    gradients_lib.reject_keras_accumulation(
-        optimizer, instead="call tfmulti.keras.distributed(model, "
-        "grad_accum_steps={steps})")
-
-
-def _check_model(model):
-    from tfmulti.pipeline import runner as pipeline_runner
-    pipeline_runner.refuse_keras_fit(model)
-    if not isinstance(model, keras.Model):
-        raise ValueError(f"`model` should be a keras.Model, got "
-                         f"{type(model).__name__}.")
-    if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise ValueError(
-            f"`model` {model.name!r} is not compiled with an optimizer. Call "
-            "model.compile(optimizer=..., loss=..., steps_per_execution=...) "
-            "under `strategy.scope()` first, then tfmulti.keras."
-            "distributed(model).")
-    if compat.model_strategy(model) is None:
-        # TensorFlow's default strategy has no devices to loop over.
-        raise ValueError(
-            f"`model` {model.name!r} was built without a strategy. Create it "
-            "and compile it under `with strategy.scope():`, with strategy = "
-            "tfmulti.create_strategy(...) (\"one_device\" for one device).")
-    own = type(model).train_step
-    if own is not keras.Model.train_step:
-        raise ValueError(
-            f"{type(model).__name__} overrides `train_step`, which "
-            "tfmulti.keras.distributed would silently replace with tfmulti's "
-            "step. Override `compute_loss` / `compute_metrics` instead, or "
-            "use tfmulti.Trainer.")
-    if "train_step" in vars(model):
-        raise ValueError(
-            f"`model.train_step` of {model.name!r} was replaced on the "
-            "instance, which tfmulti.keras.distributed would silently "
-            "bypass with tfmulti's step. Override `compute_loss` / "
-            "`compute_metrics` instead, or use tfmulti.Trainer.")
-    _check_accumulation(model.optimizer)
-
-
 class _DistributedState:
     """What `distributed` keeps on a model between Keras's calls: its
     options, the kept input and reducer, and the chunk and evaluation in
     progress."""
 
     def __init__(self, options, strategy, *, jit_compile=False, sync=None,
-                 compression=None, shard_optimizer_state=False):
+                 compression=None, shard_optimizer_state=0):
         self.options = options
         # ZeRO-1: the `optimizer_sharding.ShardedOptimizer` of the train
         # function (made with it, for the compiled optimizer).
@@ -183,7 +144,7 @@ def _make_train_function(model, force=False):
     state = getattr(model, _STATE)
     strategy = model.distribute_strategy
     optimizer = model.optimizer
-    _check_accumulation(optimizer)
+    checks.check_accumulation(optimizer)
     if not optimizer.built:
         _build_optimizer(model, state)
     strategies.check_created_in_scope(strategy, model, optimizer)
@@ -201,7 +162,10 @@ def _make_train_function(model, force=False):
             optimizer):
         with strategy.scope():
             state.sharding = optimizer_sharding.ShardedOptimizer(
-                strategy, optimizer, model.trainable_variables)
+                strategy, optimizer, model.trainable_variables,
+                stage=state.shard_optimizer_state,
+                communication_options=communication_options,
+                wire_dtype=state.options.allreduce_dtype)
     train_step = step_lib.TrainStep(
         strategy, model, optimizer, loss_lib.compute_loss_fn(model, state),
         options=state.options, communication_options=communication_options,
@@ -245,9 +209,9 @@ def _make_train_function(model, force=False):
 def _build_optimizer(model, state):
     """Builds the compiled optimizer under the model's strategy; sharded,
     as plain variables on the host: the unsharded form checkpoints hold
-    (`optimizer_sharding.host_variables`)."""
+    (`shard_placement.host_variables`)."""
     strategy = model.distribute_strategy
-    with strategy.scope(), (optimizer_sharding.host_variables(strategy)
+    with strategy.scope(), (shard_placement.host_variables(strategy)
                             if state.shard_optimizer_state
                             else contextlib.nullcontext()):
         model.optimizer.build(model.trainable_variables)
@@ -424,9 +388,10 @@ def distributed(model, *, grad_accum_steps: int = 1,
         every H updates. Its state is not in Keras checkpoints (use the
         Trainer to resume local SGD).
       compression: None or `tfmulti.PowerSGD(rank=r)`.
-      shard_optimizer_state: ZeRO stage 1 (`tfmulti.training.
-        optimizer_sharding`): each replica keeps the optimizer state of 1/N
-        of the parameters. `model.optimizer` (unbuilt at this call; built
+      shard_optimizer_state: the ZeRO stage (`tfmulti.training.
+        optimizer_sharding`): True or 1, each replica keeps the optimizer
+        state of 1/N of the parameters; 2, also only its 1/N of the reduced
+        gradient (reduce-scattered). `model.optimizer` (unbuilt at this call; built
         here in host memory) is the unsharded form:
         `tfmulti.keras.BackupAndRestore` gathers the shards into it before
         each save and loads them from it after a restore, and the end of
@@ -452,16 +417,11 @@ def distributed(model, *, grad_accum_steps: int = 1,
             clip_global_norm=clip_global_norm,
             allreduce_dtype=allreduce_dtype, jit_compile=jit_compile,
             sync=sync, compression=compression)
-    _check_model(model)
-    options = step_lib.GradientOptions(
-        grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm,
-        allreduce_dtype=allreduce_dtype)
-    reducers.check_options(sync, compression,
-                            allreduce_dtype=allreduce_dtype)
-    sharded = args_lib.check_sharding(
-        shard_optimizer_state, strategy=model.distribute_strategy,
-        optimizer=model.optimizer, pipelined=False, sync=sync,
-        compression=compression)
+    options, sharded = checks.check_arguments(
+        model, grad_accum_steps=grad_accum_steps,
+        clip_global_norm=clip_global_norm, allreduce_dtype=allreduce_dtype,
+        sync=sync, compression=compression,
+        shard_optimizer_state=shard_optimizer_state)
     state = _DistributedState(
         options, model.distribute_strategy,
         jit_compile=xla_lib.check_jit_compile(jit_compile), sync=sync,

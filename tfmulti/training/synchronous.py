@@ -32,8 +32,8 @@ class SynchronousRunner(runner_lib.Runner):
       steps_per_loop: steps per `tf.function` call (agreed by the workers).
       jit_compile: XLA for each replica's forward and backward.
       balancer: a `balancing.Balancer`, or None (an even split).
-      shard_optimizer_state: apply updates through an
-        `optimizer_sharding.ShardedOptimizer` (ZeRO-1) built here; the
+      shard_optimizer_state: the ZeRO stage (0, 1 or 2): apply updates
+        through an `optimizer_sharding.ShardedOptimizer` built here; the
         Trainer's optimizer is then the unsharded form checkpoints hold,
         written before each save and read after each restore.
     """
@@ -44,7 +44,7 @@ class SynchronousRunner(runner_lib.Runner):
     checks_weights = True
 
     def __init__(self, parts: runner_lib.Parts, *, reducer, steps_per_loop,
-                 jit_compile, balancer=None, shard_optimizer_state=False):
+                 jit_compile, balancer=None, shard_optimizer_state=0):
         self.parts = parts
         self.strategy = parts.strategy
         self.sharding = None
@@ -52,7 +52,11 @@ class SynchronousRunner(runner_lib.Runner):
             with self.strategy.scope():
                 self.sharding = optimizer_sharding.ShardedOptimizer(
                     self.strategy, parts.optimizer,
-                    parts.model.trainable_variables)
+                    parts.model.trainable_variables,
+                    stage=shard_optimizer_state,
+                    communication_options=strategies.communication_options(
+                        self.strategy),
+                    wire_dtype=parts.options.allreduce_dtype)
         self.reducer = reducer
         self.balancer = balancer
         self._steps_per_loop = steps_per_loop
