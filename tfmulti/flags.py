@@ -142,7 +142,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("balance", "none", "Shares of the global batch per "
                         "replica: none (even), auto (follow each replica's "
                         "measured speed) or weights per replica or worker, "
-                        "e.g. 3,1 (custom loop only).", **fv)
+                        "e.g. 3,1.", **fv)
     flags.DEFINE_bool("shard_optimizer_state", False, "ZeRO stage 1: each "
                       "replica keeps the optimizer state of 1/N of the "
                       "parameters (mirrored or multi_worker); checkpoints "

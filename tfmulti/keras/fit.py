@@ -369,6 +369,13 @@ def sharding_of(model):
     return None if state is None else state.sharding
 
 
+def balance_of(model):
+    """The `fit_balance.FitBalance` of a `distributed(model, balance=...)`
+    model (its `history` of shares per call), or None."""
+    state = getattr(model, _STATE, None)
+    return None if state is None else state.balance
+
+
 def communication(model) -> dict:
     """All-reduce calls and payload bytes a `distributed` model's `fit` has
     issued on this worker so far (zeros before the first `fit`)."""
