@@ -185,6 +185,18 @@ def test_recipe_balance_flag_reaches_metrics_json(tmp_path, shapes_data_dir):
     assert metrics["config"]["balance"] == "3,1"
 
 
+def test_recipe_balance_flag_with_keras_fit(tmp_path, shapes_data_dir):
+    run_python(["-m", "recipes.keras_fit", "--strategy=mirrored",
+                "--cpu_replicas=2", "--balance=3,1",
+                f"--model_dir={tmp_path / 'run'}",
+                f"--data_dir={shapes_data_dir}", "--global_batch_size=32",
+                "--steps=4", "--steps_per_loop=2"], timeout=300)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["loop"] == "fit"
+    assert [call["counts"] for call in metrics["balance"]] == [[24, 8]] * 2
+    assert all(0 <= call["idle_fraction"] < 1 for call in metrics["balance"])
+
+
 def test_recipe_balance_flag_errors(tmp_path):
     code, out = run_python(["-m", "recipes.custom_loop", "--balance=3,x",
                             f"--model_dir={tmp_path / 'run'}"],
@@ -198,7 +210,7 @@ def test_balance_with_a_data_service_is_refused_before_anything_runs(
         tmp_path, monkeypatch):
     """The balanced Trainer reads its own global batches, so a tf.data
     service (flag or environment) would be left unused: refused, naming
-    both, before a run directory exists; Keras fit is refused too."""
+    both, before a run directory exists; under Keras fit too."""
     from tests.test_recipes import _parse
     from tfmulti import experiment
     run = tmp_path / "run"
@@ -213,7 +225,7 @@ def test_balance_with_a_data_service_is_refused_before_anything_runs(
     with pytest.raises(experiment.ConfigError, match="TFMULTI_DATA_SERVICE"):
         experiment.train_and_evaluate(_parse(
             "--balance=3,1", f"--model_dir={run}"), loop="trainer")
-    with pytest.raises(experiment.ConfigError, match="custom loop"):
+    with pytest.raises(experiment.ConfigError, match="TFMULTI_DATA_SERVICE"):
         experiment.train_and_evaluate(_parse(
             "--balance=3,1", f"--model_dir={run}"), loop="fit")
     assert not run.exists()

@@ -103,7 +103,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
     if config.pipeline_stages > 1:
         config_lib.check_pipeline_process(config)
     if config.balance:
-        config_lib.check_balance(config, loop)
+        config_lib.check_balance(config)
     length_defaulted = config.epochs is None and config.steps is None
     config = config_lib.with_default_epochs(config)
     run = _open_run_dir(config, loop)
@@ -251,6 +251,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             evaluation = trainer.evaluate(test)
             traffic = trainer.communication
             sharding = getattr(trainer.runner, "sharding", None)
+            balance_history = trainer.balance_history
             final_train = {k: history[k][-1] for k in
                            ("loss", *[m.name for m in trainer.metrics])
                            if history.get(k)}
@@ -268,7 +269,14 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 clip_global_norm=config.clip_global_norm,
                 allreduce_dtype=config.allreduce_dtype, sync=sync,
                 compression=compression,
-                shard_optimizer_state=config.shard_optimizer_state)
+                shard_optimizer_state=config.shard_optimizer_state,
+                balance=balance_lib.from_flag(config.balance))
+            if config.balance:
+                # `fit` cuts each global batch of train_fn by the shares.
+                from tfmulti.data import balanced
+                train = balanced.global_batches(
+                    train, global_batch_size=config.global_batch_size,
+                    seed=config.seed)
             epochs = max(1, -(-total_steps // steps_per_epoch))
             # The final backup stays: a later --resume with a larger
             # --steps/--epochs continues from it.
@@ -283,6 +291,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             evaluation = model.evaluate(test, verbose=0, return_dict=True)
             traffic = tfmulti.keras.communication(model)
             sharding = tfmulti.keras.fit.sharding_of(model)
+            balanced_fit = tfmulti.keras.fit.balance_of(model)
+            balance_history = balanced_fit and balanced_fit.history
             final_train = {k: v[-1] for k, v in history.history.items()
                            if not k.startswith("val_")}
     except BaseException as e:
@@ -312,7 +322,7 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
         "communication": traffic,
         **({} if plan or parameter_server.is_parameter_server(strategy)
            else _optimizer_state_bytes(strategy, optimizer, sharding)),
-        **({"balance": trainer.balance_history} if config.balance else {}),
+        **({"balance": balance_history} if config.balance else {}),
         **_data_service_metrics(config),
         "config": _identity(config, loop),
         "versions": versions,
@@ -348,7 +358,8 @@ def input_data(config: ExperimentConfig, strategy):
         strategy, test_fn, global_batch_size=config.global_batch_size,
         training=False, service=config.data_service)
     if config.balance:
-        # The Trainer cuts each global batch of train_fn by the shares.
+        # The Trainer (or `fit`) cuts each global batch of train_fn by the
+        # shares.
         return info, train_fn, test
     train = data.distribute_dataset(
         strategy, train_fn, global_batch_size=config.global_batch_size,

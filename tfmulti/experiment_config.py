@@ -245,13 +245,8 @@ def check_pipeline_process(config: ExperimentConfig) -> None:
         raise ConfigError(str(e), flag=e.name) from None
 
 
-def check_balance(config: ExperimentConfig, loop: str) -> None:
+def check_balance(config: ExperimentConfig) -> None:
     """`balance` where it cannot work, refused before anything runs."""
-    if loop != "trainer":
-        raise ConfigError(
-            f"`balance`={config.balance!r} is an option of the custom loop "
-            "(recipes.custom_loop); Keras fit does not re-split batches yet.",
-            flag="balance")
     from tfmulti.data import service
     try:
         address = service.resolve_address(config.data_service)

@@ -143,7 +143,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("balance", "none", "Shares of the global batch per "
                         "replica: none (even), auto (follow each replica's "
                         "measured speed) or weights per replica or worker, "
-                        "e.g. 3,1 (custom loop only).", **fv)
+                        "e.g. 3,1.", **fv)
     # Boolean-like (a bare --shard_optimizer_state is stage 1, as before
     # stage 2 existed) but `=2` for stage 2; `_parse_flags` refuses the
     # stage as the next argument.

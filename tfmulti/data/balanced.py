@@ -96,9 +96,12 @@ class BalancedIterator:
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.OFF)
         repeated = repeated.with_options(options)
-        distributed = strategy.distribute_datasets_from_function(
+        # Kept for Keras's `fit`, which takes a distributed dataset and then
+        # trains from the iterator `iter()` gives (`tfmulti.keras.
+        # fit_balance`): each replica's whole global batch, before the cut.
+        self.distributed = strategy.distribute_datasets_from_function(
             lambda _: repeated)
-        self._inner = iter(distributed)
+        self._inner = iter(self.distributed)
         self.element_spec = tf.nest.map_structure(
             lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype),
             dataset.element_spec)

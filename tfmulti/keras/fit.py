@@ -35,6 +35,7 @@ from tfmulti.training import agreement
 from tfmulti.training import communication as communication_lib
 from tfmulti.training import data_checks
 from tfmulti.keras import evaluate as evaluate_lib
+from tfmulti.keras import fit_balance
 from tfmulti.keras import fit_checks as checks
 from tfmulti.keras import fit_input as fit_input_lib
 from tfmulti.keras import replica_logs as logs_lib
@@ -92,6 +93,8 @@ class _DistributedState:
         # A custom `test_step`'s extra logs (a Logs), captured per batch.
         self.test_logs = None
         self.warned_weighting = False
+        # A fit_balance.FitBalance under `balance`, else None.
+        self.balance = None
 
 
 
@@ -170,14 +173,14 @@ def _make_train_function(model, force=False):
         strategy, model, optimizer, loss_lib.compute_loss_fn(model, state),
         options=state.options, communication_options=communication_options,
         reducer=state.reducer, jit_compile=state.jit_compile,
-        sharding=state.sharding)
+        sharding=state.sharding, timer=fit_balance.timer_of(state.balance))
     train = loop_lib.create_train_loop(train_step, strategy=strategy)
     results = logs_lib.metrics_function(model)
     extras_read = None
 
     def train_function(iterator):
         nonlocal extras_read
-        if not isinstance(iterator, tf.distribute.DistributedIterator):
+        if not isinstance(iterator, fit_balance.ITERATOR_TYPES):
             raise ValueError(
                 "A model made by tfmulti.keras.distributed trains from the "
                 f"distributed iterator `fit` makes; got "
@@ -195,12 +198,11 @@ def _make_train_function(model, force=False):
                 lambda: state.train_extras.read(model.get_metrics_result()))
         # A label or shape that does not fit is named as in the Trainer;
         # running out of data ends Keras's epoch, as in Keras.
+        steps = _steps_this_call(model, state)
         with data_checks.translated(iterator.element_spec, arg="x"):
-            train(iterator,
-                  tf.constant(_steps_this_call(model, state), tf.int32))
-        if extras_read is not None:
-            return extras_read()
-        return results()
+            train(iterator, tf.constant(steps, tf.int32))
+        logs = extras_read() if extras_read is not None else results()
+        return fit_balance.logs_after(state.balance, steps, logs)
 
     model.train_function = train_function
     return train_function
@@ -245,8 +247,11 @@ def _fit(model, *args, **kwargs):
     callbacks = bound.arguments.get("callbacks")
     state = getattr(model, _STATE)
     x = bound.arguments.get("x")
-    if state.input.reusable(x,
-                            class_weight=bound.arguments.get("class_weight")):
+    if state.balance is not None:
+        bound.arguments["x"] = state.balance.dataset_for(
+            x, steps_per_epoch=bound.arguments.get("steps_per_epoch"))
+    elif state.input.reusable(
+            x, class_weight=bound.arguments.get("class_weight")):
         bound.arguments["x"] = state.input.dataset_for(x)
     chunk = _Chunk(state)
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -328,6 +333,13 @@ def sharding_of(model):
     return None if state is None else state.sharding
 
 
+def balance_of(model):
+    """The `fit_balance.FitBalance` of a `distributed(model, balance=...)`
+    model (its `history` of shares per call), or None."""
+    state = getattr(model, _STATE, None)
+    return None if state is None else state.balance
+
+
 def communication(model) -> dict:
     """All-reduce calls and payload bytes a `distributed` model's `fit` has
     issued on this worker so far (zeros before the first `fit`)."""
@@ -344,7 +356,7 @@ def distributed(model, *, grad_accum_steps: int = 1,
                 clip_global_norm: float | None = None,
                 allreduce_dtype: str | None = None,
                 jit_compile: bool = False, sync=None, compression=None,
-                shard_optimizer_state: bool = False):
+                shard_optimizer_state: bool = False, balance=None):
     """Makes `model.fit` train with tfmulti's step under the model's strategy.
 
     Call after `model.compile(...)` under `strategy.scope()`; then call
@@ -397,6 +409,9 @@ def distributed(model, *, grad_accum_steps: int = 1,
         each save and loads them from it after a restore, and the end of
         each `fit` gathers them; a ModelCheckpoint during `fit` sees it as
         of the last such gather.
+      balance: None (an even split), "auto" or per-replica (or per-worker)
+        weights: each replica's share of the global batch
+        (`tfmulti.keras.fit_balance`); the updates stay the even split's.
 
     Returns:
       `model`.
@@ -409,6 +424,7 @@ def distributed(model, *, grad_accum_steps: int = 1,
     from tfmulti.keras import pipelined
     from tfmulti.pipeline import runner as pipeline_runner
     if pipeline_runner.is_pipelined(model):
+        fit_balance.refuse_pipelined(balance)
         args_lib.check_sharding(
             shard_optimizer_state, strategy=None, optimizer=None,
             pipelined=True, sync=sync, compression=compression)
@@ -426,6 +442,8 @@ def distributed(model, *, grad_accum_steps: int = 1,
         options, model.distribute_strategy,
         jit_compile=xla_lib.check_jit_compile(jit_compile), sync=sync,
         compression=compression, shard_optimizer_state=sharded)
+    state.balance = fit_balance.for_model(
+        model.distribute_strategy, balance, jit_compile=state.jit_compile)
     if sharded:
         # Now, before Keras's first `fit` builds it mirrored.
         _build_optimizer(model, state)

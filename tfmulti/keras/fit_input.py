@@ -54,6 +54,13 @@ def _reusing_class(base):
     return _REUSING_CLASSES[base]
 
 
+def reusing(distributed, source):
+    """`distributed` (a TF distributed dataset) as Keras sees it, but whose
+    `iter()` is `source.iterator()`: Keras then trains from the iterator
+    `source` keeps."""
+    return _reusing_class(type(distributed))(distributed, source)
+
+
 def _is_infinite(dataset) -> bool:
     if isinstance(dataset, tf.data.Dataset):
         cardinality = dataset.cardinality()
@@ -100,8 +107,7 @@ class FitInput:
                     x)
             self._source = x
             self._iterator = None
-            self._reusing = _reusing_class(type(distributed))(distributed,
-                                                              self)
+            self._reusing = reusing(distributed, self)
         return self._reusing
 
     def iterator(self):
