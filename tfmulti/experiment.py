@@ -290,8 +290,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             seconds = time.perf_counter() - start
             evaluation = model.evaluate(test, verbose=0, return_dict=True)
             traffic = tfmulti.keras.communication(model)
-            sharding = tfmulti.keras.fit.sharding_of(model)
-            balanced_fit = tfmulti.keras.fit.balance_of(model)
+            sharding = tfmulti.keras.fit_state.sharding_of(model)
+            balanced_fit = tfmulti.keras.fit_state.balance_of(model)
             balance_history = balanced_fit and balanced_fit.history
             final_train = {k: v[-1] for k, v in history.history.items()
                            if not k.startswith("val_")}

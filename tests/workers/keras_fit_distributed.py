@@ -115,7 +115,7 @@ def run_case(strategy, case, golden):
               "optimizer": [v.numpy().tolist()
                             for v in model.optimizer.variables],
               "fit_seconds": time.perf_counter() - began}
-    sharding = tfmulti.keras.fit.sharding_of(model)
+    sharding = tfmulti.keras.fit_state.sharding_of(model)
     if sharding is not None:
         result["bytes_per_device"] = sharding.state_bytes_per_device()
     if case == "sgd_momentum":
