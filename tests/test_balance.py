@@ -255,3 +255,22 @@ def test_balanced_data_and_options_errors():
     iterator = balancer.iterator(rows.batch(4, drop_remainder=True))
     x, y = next(iterator)
     assert x.shape == (4, 2) and iterator.global_batch_size == 4
+
+
+def test_progress_line_groups_the_balance_logs():
+    import io
+
+    from tfmulti import progress
+    stream = io.StringIO()
+    logger = progress.ProgressLogger(total_steps=4, steps_per_epoch=4,
+                                     examples_per_step=32, stream=stream)
+    logger.on_train_batch_begin(0)
+    logger.on_train_batch_end(3, {
+        "loss": 0.5, "share_0": 0.75, "share_1": 0.25,
+        "replica_seconds_0": 0.0612, "replica_seconds_1": 0.0608,
+        "idle_fraction": 0.0065})
+    line = stream.getvalue()
+    assert line.startswith("step 4/4 (epoch 1/1) - loss 0.5000 - ")
+    assert ("examples/s - shares 0.75/0.25 - replica ms/step 61.2/60.8 - "
+            "idle 0.01 - ETA") in line
+    assert "share_0" not in line and logger.train_logs == {"loss": 0.5}

@@ -8,6 +8,11 @@ batch of the epoch), and prints on the chief only:
     step 150/468 (epoch 1/3) - loss 1.2345 - accuracy 0.5123 - 1830 examples/s - ETA 0:00:23
     eval at step 156 - loss 0.4525 - accuracy 0.8315
 
+With `balance`, each line also shows every replica's share of the global
+batch, its compute milliseconds per step and the barrier idle fraction:
+
+    ... - 1830 examples/s - shares 0.75/0.25 - replica ms/step 61.2/60.8 - idle 0.01 - ETA 0:00:23
+
 Keras's own progress bar is not used: it always redraws one line with
 backspaces (Keras 3.15 treats every POSIX process as an interactive
 terminal), which makes one unreadable line in a log file and in the
@@ -118,8 +123,8 @@ class ProgressLogger(keras.callbacks.Callback):
         epochs = -(-self.total_steps // self.steps_per_epoch)
         epoch = f" (epoch {(step - 1) // self.steps_per_epoch + 1}/{epochs})"
         self._print(f"step {step}/{self.total_steps}{epoch} "
-                    f"{format_metrics(_train_logs(logs))} - {rate:.0f} "
-                    f"examples/s - ETA {_duration(eta)}")
+                    f"{format_metrics(self.train_logs)} - {rate:.0f} "
+                    f"examples/s{balance_text(logs)} - ETA {_duration(eta)}")
         self._last = (now, step)
 
     def on_test_end(self, logs=None):
@@ -128,9 +133,39 @@ class ProgressLogger(keras.callbacks.Callback):
                     f"{format_metrics(self.eval_logs)}")
 
 
+# The per-loop logs of load balancing (`tfmulti.training.balancing`):
+# grouped on one line by `balance_text`, not one column per replica.
+_BALANCE_PREFIXES = ("share_", "replica_seconds_")
+_IDLE = "idle_fraction"
+
+
 def _train_logs(logs) -> dict[str, float]:
     return {k: v for k, v in (logs or {}).items()
-            if not k.startswith("val_") and not hasattr(v, "__len__")}
+            if not k.startswith(("val_", *_BALANCE_PREFIXES))
+            and k != _IDLE and not hasattr(v, "__len__")}
+
+
+def _per_replica(logs, prefix) -> list[float]:
+    found = {int(k[len(prefix):]): float(v) for k, v in logs.items()
+             if k.startswith(prefix) and k[len(prefix):].isdigit()}
+    return [found[r] for r in sorted(found)]
+
+
+def balance_text(logs) -> str:
+    """" - shares 0.75/0.25 - replica ms/step 61.2/60.8 - idle 0.01" from a
+    balanced loop's logs; "" without them."""
+    logs = logs or {}
+    shares = _per_replica(logs, "share_")
+    if not shares:
+        return ""
+    text = " - shares " + "/".join(f"{s:.2f}" for s in shares)
+    seconds = _per_replica(logs, "replica_seconds_")
+    if seconds:
+        text += " - replica ms/step " + "/".join(f"{1e3 * s:.1f}"
+                                                 for s in seconds)
+    if _IDLE in logs:
+        text += f" - idle {float(logs[_IDLE]):.2f}"
+    return text
 
 
 def device_line(*, replicas: int, device_type: str, workers: int = 1,

@@ -51,9 +51,9 @@ MODES = {
         "recipes": {"steps": None, "seeds": (0, 1, 2, 3, 4),
                     "rows": ("sync", "parameter_server", "powersgd_r4",
                              "local_sgd_h8", "pipeline")},
-        # 2 workers, one slowed by a competing process: even vs "auto".
-        "balance": {"steps": 200, "steps_per_loop": 10,
-                    "global_batch_size": 256, "width": 256},
+        # 2 workers, one under a CPU quota: even vs "auto", alternating.
+        "balance": {"rounds": 8, "round_steps": 40, "steps_per_loop": 10,
+                    "global_batch_size": 256, "slow_fraction": 0.3},
         # An input-bound job with 0, 1 and 2 data workers, alternating.
         "data_service": {"replicas": 2, "steps": 40, "rounds": 5,
                          "global_batch_size": 64},

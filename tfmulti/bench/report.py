@@ -173,6 +173,9 @@ def goals(results: dict) -> list[dict]:
     if mem:
         add("peak memory: accumulate K x B / batch B", mem["accum_vs_batch"],
             "<= 1.2", mem["accum_vs_batch"] <= 1.2)
+    if results.get("balance"):
+        from tfmulti.bench import balance
+        found.extend(balance.goals(results["balance"]))
     for entry, soak in (results.get("soak") or {}).items():
         # Flat: under 5% growth from the first sample after warm-up to the
         # last, for each resource a long job could exhaust.
@@ -345,6 +348,9 @@ def markdown(results: dict) -> str:
     if results.get("data_service"):
         from tfmulti.bench import data_service
         lines += data_service.markdown(results["data_service"])
+    if results.get("balance"):
+        from tfmulti.bench import balance
+        lines += balance.markdown(results["balance"])
     if results["errors"]:
         lines += ["", "## Errors", ""]
         lines += [f"- {part}: {msg.splitlines()[-1] if msg else ''}"
@@ -367,6 +373,9 @@ def write(results: dict, out_dir: str) -> dict:
     results["goals"] = goals(results)
     results["plots"] = plots_lib.plots(results, out_dir, labels=LABELS,
                                        methods=methods)
+    if results.get("balance"):
+        from tfmulti.bench import balance
+        results["plots"] += balance.plot(results["balance"], out_dir)
     json_path = os.path.join(out_dir, "results.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)

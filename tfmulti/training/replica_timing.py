@@ -35,10 +35,17 @@ class ReplicaTimer:
         self._began = None
         self._gather_fn = None
 
-    def start(self, x):
-        """`x`, available only after this replica's start time is taken."""
-        # After the batch exists: the wait for input is not compute.
-        with tf.control_dependencies(tf.nest.flatten(x)):
+    def start(self, x, after=()):
+        """`x`, available only after this replica's start time is taken,
+        which is after the batch exists and after `after` (the variables
+        the step reads) are read."""
+        # After the batch exists: the wait for input is not compute. After
+        # the variables are read: a batch prefetched during the previous
+        # step's all-reduce must not start the clock while this replica
+        # still waits there for the slowest (measured: the fast worker's
+        # time then held the barrier wait, and the shares did not move).
+        reads = [tf.convert_to_tensor(v) for v in after]
+        with tf.control_dependencies(tf.nest.flatten(x) + reads):
             self._began = tf.timestamp()
         with tf.control_dependencies([self._began]):
             return tf.nest.map_structure(tf.identity, x)

@@ -206,7 +206,7 @@ class TrainStep:
     def _local_gradients(self, batch, global_batch=None):
         x, y, sample_weight = unpack_batch(batch)
         if self._timer is not None:
-            x = self._timer.start(x)
+            x = self._timer.start(x, after=self._variables)
         kwargs = ({"global_batch": global_batch}
                   if self._takes_global_batch else {})
         with tf.GradientTape() as tape:
