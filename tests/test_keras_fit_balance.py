@@ -5,7 +5,9 @@ One subprocess with 4 simulated CPU devices trains each case (Adam, Keras's
 global_clipnorm acting on the reduced gradient, 4-step accumulation, mixed
 float16) for 20 steps (2 epochs of 10, 5 per call, validation each epoch):
 plain Keras `fit` on one device, and `distributed` on 2 replicas with
-balance None, [3, 1] and "auto", and on 4 with [3, 1, 1, 1].
+balance None, [3, 1] and "auto", and on 4 with [3, 1, 1, 1]. Two worker
+processes (one replica each) train the float32 cases with balance None,
+[3, 1] and "auto", then each plain Keras on its own CPU.
 """
 
 import json
@@ -13,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.subproc import run_python
+from tests.subproc import run_python, worker_json
 
 # Float32 sums in another order: measured at most 2.4e-7 (losses) and
 # 6e-8 (weights) between any two layouts over 20 steps.
@@ -75,6 +77,32 @@ def test_balanced_fit_reports_shares_per_call(local):
         assert 0 <= call["idle_fraction"] < 1
     # The even split reports nothing of balance.
     assert local["mirrored2:None"]["adam"]["calls"] == [{}] * 4
+
+
+@pytest.mark.slow
+def test_two_workers_balanced_fit_equals_even_split_and_one_device(tmp_path):
+    workers = worker_json(["tests/workers/keras_fit_balance.py",
+                           "multi_worker"], 2, tmp_path, timeout=540)
+    for worker in workers:
+        for layout in ("multi_worker:None", "multi_worker:[3, 1]",
+                       "multi_worker:auto"):
+            for case, run in worker[layout].items():
+                assert run["traces"] == 1
+                assert_same(run, worker["one_device:None"][case], TOLERANCE)
+                assert_same(run, worker["multi_worker:None"][case],
+                            TOLERANCE)
+    for layout in ("multi_worker:[3, 1]", "multi_worker:auto"):
+        # Both workers hold the same weights and saw the same shares.
+        for case in workers[0][layout]:
+            assert workers[0][layout][case]["weights"] == (
+                workers[1][layout][case]["weights"])
+        assert _shares(workers[0], layout) == _shares(workers[1], layout)
+    assert _shares(workers[0], "multi_worker:[3, 1]") == [[0.75, 0.25]] * 4
+
+
+def _shares(worker, layout):
+    return [[call[f"share_{r}"] for r in range(2)]
+            for call in worker[layout]["adam"]["calls"]]
 
 
 def test_balance_errors_name_the_argument():
