@@ -314,17 +314,28 @@ def test_recipe_rows_are_the_recipe_command_lines_judged_by_interval():
 def test_sharding_part_measures_a_half_per_device():
     # The part in its own process, 2 simulated replicas, the smallest run:
     # the state per device (read from the variables' placement) is half of
-    # the unsharded one, the host keeps the unsharded copy.
+    # the unsharded one at both stages, the host keeps the unsharded copy;
+    # stage 2 keeps half of the reduced gradient and sends one
+    # all-reduce's worth of bytes, through the all-to-all.
     result = parts.run_part("sharding", {
-        "replicas": 2, "steps": 4, "rounds": 1, "width": 32,
+        "replicas": 2, "steps": 4, "rounds": 2, "width": 32,
         "global_batch_size": 16}, timeout=240)[0]
-    sharded, unsharded = result["sharded"], result["unsharded"]
-    assert sharded["devices"] == unsharded["devices"] == 2
+    unsharded = result["unsharded"]
     # Adam: 2 slots of 3466 float32 parameters plus two copies of the
     # int64 step and float32 rate (shard and model optimizer) sharded.
     assert unsharded["bytes_per_device"] == 2 * 3466 * 4 + 12
-    assert sharded["bytes_per_device"] == 2 * 1733 * 4 + 2 * 12
-    assert sharded["host_bytes"] == 2 * 3466 * 4
-    assert result["bytes_fraction"] <= 1 / 2 + 0.05
-    assert result["step_time_ratio"] > 0
-    assert "| 2 | 3466 |" in "\n".join(sharding.markdown({"2": result}))
+    assert unsharded["gradient_bytes_per_device"] == 3466 * 4
+    for name in ("stage1", "stage2"):
+        sharded = result[name]
+        assert sharded["devices"] == unsharded["devices"] == 2
+        assert sharded["bytes_per_device"] == 2 * 1733 * 4 + 2 * 12
+        assert sharded["host_bytes"] == 2 * 3466 * 4
+        assert sharded["bytes_fraction"] <= 1 / 2 + 0.05
+        assert result["step_time_ratio"][name]["ratio"] > 0
+    assert result["stage2"]["gradient_bytes_per_device"] == 1733 * 4
+    assert result["stage2"]["bytes_with_gradient_fraction"] <= 1 / 2 + 0.05
+    assert result["stage2"]["path"] == "all-to-all"
+    assert result["stage2"]["wire_over_all_reduce"] == 1.0
+    assert result["stage1"]["wire_over_all_reduce"] == 1.5
+    table = "\n".join(sharding.markdown({"2": result}))
+    assert "| 2 | 3466 | stage2 |" in table and "all-to-all" in table

@@ -145,6 +145,14 @@ def test_private_names_tfmulti_reads_still_exist():
         ("CollectiveKeys(group_key_start=)", "group_key_start" in
          cross_device_utils.CollectiveKeys.__init__.__code__.co_varnames),
         ("ReplicaContext._replica_id", replica_context == [True]),
+        ("CollectiveAllReduce._launchers", "_launchers" in _source(
+            cross_device_ops.CollectiveAllReduce)),
+        ("CollectiveReplicaLauncher private members", all(callable(getattr(
+            cross_device_utils.CollectiveReplicaLauncher, name, None))
+            for name in ("_next_instance_key", "_get_ordering_token")) and
+         all(name in _source(cross_device_utils.CollectiveReplicaLauncher)
+             for name in ("_group_key", "_group_size", "_device",
+                          "_options"))),
         ("CollectiveAllReduceExtended._cross_device_ops", "_cross_device_ops"
          in _source(collective_all_reduce_strategy.
                            CollectiveAllReduceExtended)),

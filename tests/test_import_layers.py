@@ -22,7 +22,7 @@ LAYERS = (
               "startup_watchdog", "watchdog", "rundir", "progress",
               "exit_codes",
               "quiet_logging", "reaper", "schedules", "replica_statistics",
-              "balance")),
+              "balance", "zero_stage")),
     ("strategies", ("strategies", "parameter_server", "initial_values",
                     "chief_writes", "peer_failure")),
     ("data", ("data",)),

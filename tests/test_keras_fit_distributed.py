@@ -48,10 +48,12 @@ def test_mirrored_fit_matches_one_device(local, case):
 
 
 @pytest.mark.slow
-def test_sharded_fit_matches_unsharded_and_one_device(local):
-    # shard_optimizer_state=True: the same updates as the unsharded
+@pytest.mark.parametrize("case", ["sharded_clip_accum",
+                                  "sharded2_clip_accum"])
+def test_sharded_fit_matches_unsharded_and_one_device(local, case):
+    # shard_optimizer_state=1 or 2: the same updates as the unsharded
     # `distributed` fit and one device, with 1/4 of the state per replica.
-    run = local["mirrored4"]["sharded_clip_accum"]
+    run = local["mirrored4"][case]
     _assert_matches(run, local["mirrored4"]["clip_accum"])
     _assert_matches(run, local["one_device"]["clip_accum"])
     # The end of fit gathered the momentum into model.optimizer: the
@@ -89,9 +91,10 @@ def test_two_worker_fit_matches_one_device(tmp_path, local):
     for worker in workers:
         results = worker["results"]["multi_worker"]
         assert set(results) == {"sgd_momentum", "clip_accum",
-                                "sharded_clip_accum"}
+                                "sharded_clip_accum", "sharded2_clip_accum"}
         for case, run in results.items():
-            _assert_matches(run, golden[case.replace("sharded_", "")])
+            _assert_matches(run, golden[case.replace(
+                "sharded2_", "").replace("sharded_", "")])
         np.testing.assert_allclose(results["sgd_momentum"]["predict"],
                                    golden["sgd_momentum"]["predict"],
                                    atol=TOLERANCE)

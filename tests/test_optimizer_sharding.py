@@ -96,7 +96,7 @@ def test_shard_of_equals_the_slice_of_the_flat_vector(shapes, num_shards):
     # (5 elements over 8 shards: three shards are all padding).
     import tensorflow as tf
 
-    from tfmulti.training.optimizer_sharding import FlatLayout
+    from tfmulti.training.flat_layout import FlatLayout
     rng = np.random.default_rng(0)
     tensors = [tf.constant(rng.normal(size=s).astype("float32"))
                for s in shapes]

@@ -89,7 +89,7 @@ def test_shard_optimizer_state_flag(recipe, tmp_path, shapes_data_dir):
                          *_flags(tmp_path / "run", shapes_data_dir,
                                  "--cpu_replicas=2")], timeout=300)
     metrics = _check_run(tmp_path / "run", recipe, 2)
-    assert metrics["config"]["shard_optimizer_state"] is True
+    assert metrics["config"]["shard_optimizer_state"] == 1
     per_device = metrics["optimizer_state_bytes_per_device"]
     host = metrics["optimizer_state_bytes_host"]
     assert len(per_device) == 2 and host > 10_000
@@ -103,7 +103,7 @@ def test_shard_optimizer_state_flag(recipe, tmp_path, shapes_data_dir):
 
 def test_shard_optimizer_state_conflicts_are_usage_errors():
     with pytest.raises(experiment.ConfigError, match=re.escape(
-            "`shard_optimizer_state`=True cannot run with "
+            "`shard_optimizer_state`=1 cannot run with "
             "--compression=powersgd")) as caught:
         _parse("--shard_optimizer_state", "--compression=powersgd")
     assert caught.value.flag == "compression"
@@ -221,6 +221,33 @@ def test_startup_timeout_flag_reaches_the_config():
     with pytest.raises(ValueError, match=re.escape(
             "`startup_timeout` should be positive seconds, got 0.0.")):
         _parse("--startup_timeout=0")
+
+
+def test_shard_optimizer_state_takes_the_zero_stage():
+    # Bare (as before stage 2) is stage 1; `=2` is stage 2.
+    for argv, stage in ((), 0), (("--shard_optimizer_state",), 1), (
+            ("--shard_optimizer_state=2",), 2), (
+            ("--shard_optimizer_state=false",), 0), (
+            ("--noshard_optimizer_state",), 0):
+        assert _parse("--strategy=mirrored", *argv).shard_optimizer_state \
+            == stage, argv
+    with pytest.raises(absl_flags.IllegalFlagValueError, match=re.escape(
+            "--shard_optimizer_state should be 0, 1, 2, true or false "
+            "(the ZeRO stage")) as caught:
+        _parse("--shard_optimizer_state=3")
+    assert "got '3'" in str(caught.value)
+    with pytest.raises(experiment.ConfigError,
+                       match="`shard_optimizer_state`=2 cannot run with"):
+        _parse("--shard_optimizer_state=2", "--strategy=one_device")
+
+
+def test_stage_after_a_bare_shard_flag_is_a_usage_error(capsys):
+    # absl would read it as stage 1 and a stray argument "2".
+    with pytest.raises(SystemExit) as caught:
+        tfmulti_flags._parse_flags(["recipe", "--shard_optimizer_state",
+                                    "2"])
+    assert caught.value.code == 1
+    assert "write --shard_optimizer_state=2" in capsys.readouterr().err
 
 
 def test_inconsistent_flags_are_a_usage_error():

@@ -1,14 +1,15 @@
-"""Trainer(shard_optimizer_state=True): the same numbers as the unsharded
+"""Trainer(shard_optimizer_state=1 or 2): the same numbers as the unsharded
 Trainer and one device, checkpoints in the unsharded form, and refusals at
 construction.
 
 The golden runs are one subprocess with 4 simulated CPU devices
-(tests/workers/sharded_trainer_golden.py): 20 updates with clipping by the
-global norm and K=2 micro-batches for Adam, AdamW (weight decay), SGD with
-momentum, RMSprop and mixed float16; 25 sharded steps on 4 replicas then 25
-unsharded on one device (and the reverse) against 50 on one device. Two
-worker processes of 2 simulated CPUs each run Adam and mixed float16
-sharded over the 4 replicas of MultiWorkerMirroredStrategy.
+(tests/workers/sharded_trainer_golden.py): 50 updates with clipping by the
+global norm and K=2 micro-batches for Adam, AdamW (weight decay and a
+schedule), SGD with momentum, RMSprop, mixed float16 and a bfloat16 wire,
+unsharded and at ZeRO stages 1 and 2; 25 sharded steps on 4 replicas then
+25 unsharded on one device (and the reverse) against 50 on one device, for
+both stages. Two worker processes of 2 simulated CPUs each run every case
+at both stages over the 4 replicas of MultiWorkerMirroredStrategy.
 """
 
 import json
@@ -27,7 +28,11 @@ from tests.subproc import run_python, run_workers  # noqa: E402
 # Float32 sums in another order: measured at most 2.4e-7 (losses) and
 # 1.8e-7 (weights) over 20 steps, 1.2e-7 over the 50-step resumes.
 TOLERANCE = 1e-5
+STEPS = 50
 OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "rmsprop")
+STAGES = ("sharded", "sharded2")
+# Every case of the two-worker run (bf16_wire: mirrored only).
+WORKER_CASES = OPTIMIZERS + ("mixed_float16",)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                   reduction=None)
 
@@ -37,7 +42,7 @@ def golden(tmp_path_factory):
     work = tmp_path_factory.mktemp("sharded_trainer")
     out = work / "golden.json"
     run_python(["tests/workers/sharded_trainer_golden.py", "local",
-                str(out), str(work)], timeout=600)
+                str(out), str(work)], timeout=900)
     return json.loads(out.read_text())
 
 
@@ -50,6 +55,11 @@ def assert_matches(run, reference, tolerance=TOLERANCE, *, state=False):
             np.testing.assert_allclose(a, b, atol=tolerance, err_msg=key)
 
 
+def max_weight_diff(run, reference):
+    return max(float(np.max(np.abs(np.subtract(a, b))))
+               for a, b in zip(run["weights"], reference["weights"]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_sharded_trainer_matches_unsharded_and_one_device(golden, name):
@@ -57,29 +67,53 @@ def test_sharded_trainer_matches_unsharded_and_one_device(golden, name):
     reference = case["one_device"]
     # The run moved: not a comparison of two untouched models.
     assert reference["loss"][0] - reference["loss"][-1] > 0.1
-    for run in ("unsharded", "sharded"):
+    for run in ("unsharded",) + STAGES:
         assert_matches(case[run], reference)
         # The optimizer's step counter (what a schedule reads) advanced
         # once per update, as unsharded.
-        assert case[run]["iterations"] == case[run]["step"] == 20
+        assert case[run]["iterations"] == case[run]["step"] == STEPS
+    # Stage 2 reduce-scattered with the all-to-all, and counted one
+    # gradient collective per update, of the padded flat gradient.
+    assert case["sharded2"]["path"] == "all-to-all"
+    assert case["sharded2"]["communication"]["all_reduce_calls"] == STEPS
+    assert case["sharded2"]["communication"]["all_reduce_bytes"] == (
+        STEPS * 196 * 4)
 
 
 @pytest.mark.slow
 def test_sharded_mixed_float16_skips_as_unsharded(golden):
-    # The loss scale is decided on the reduced gradient: the sharded run
-    # skips the same overflowing updates as the unsharded one on the same
-    # 4 replicas and then makes the same updates. (One device overflows at
-    # other steps: its float16 gradient holds all rows, a replica's an
+    # The loss scale is decided on the reduced gradient (stage 2: on the
+    # all-reduced count of non-finite elements of the shards): the sharded
+    # runs skip the same overflowing updates as the unsharded one on the
+    # same 4 replicas and then make the same updates. (One device overflows
+    # at other steps: its float16 gradient holds all rows, a replica's an
     # eighth; a property of float16, not of sharding.)
     case = golden["mixed_float16"]
-    assert case["sharded"]["iterations"] == case["unsharded"]["iterations"]
-    assert case["sharded"]["iterations"] < case["sharded"]["step"] == 20
+    for run in STAGES:
+        assert case[run]["iterations"] == case["unsharded"]["iterations"]
+        assert case[run]["iterations"] < case[run]["step"] == STEPS
+        assert_matches(case[run], case["unsharded"])
+
+
+@pytest.mark.slow
+def test_bfloat16_wire_sharded_no_farther_than_unsharded(golden):
+    # bfloat16 rounds each replica's gradient on the wire: the runs leave
+    # the float32 one-device path, sharded or not. Stage 1 all-reduces in
+    # bfloat16 as unsharded does; stage 2 sums the received bfloat16 rows
+    # in float32, so it is no farther from one device than unsharded.
+    case = golden["bf16_wire"]
+    reference = case["one_device"]
+    unsharded = max_weight_diff(case["unsharded"], reference)
+    assert unsharded > 1e-6  # the wire dtype did round
     assert_matches(case["sharded"], case["unsharded"])
+    assert max_weight_diff(case["sharded2"], reference) <= unsharded * 1.05
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["sharded_to_one_device",
-                                 "one_device_to_sharded"])
+                                 "one_device_to_sharded",
+                                 "sharded2_to_one_device",
+                                 "one_device_to_sharded2"])
 def test_elastic_resume_between_sharded_and_one_device(golden, run):
     case = golden["resume"]
     assert len(case[run]["loss"]) == 50
@@ -91,38 +125,47 @@ def test_elastic_resume_between_sharded_and_one_device(golden, run):
 
 @pytest.mark.slow
 def test_sharded_trainer_state_is_a_quarter_per_device(golden):
-    per_device = golden["adam"]["sharded"]["bytes_per_device"]
-    assert len(per_device) == 4
-    # Dense(8->16) + Dense(16->3): 195 parameters, shards of 49 floats;
-    # Adam's two slots of a shard, its step (int64) and rate (float32).
-    assert set(per_device.values()) == {2 * 49 * 4 + 8 + 4}
+    for run in STAGES:
+        per_device = golden["adam"][run]["bytes_per_device"]
+        assert len(per_device) == 4
+        # Dense(8->16) + Dense(16->3): 195 parameters, shards of 49 floats;
+        # Adam's two slots of a shard, its step (int64) and rate (float32).
+        assert set(per_device.values()) == {2 * 49 * 4 + 8 + 4}
 
 
 @pytest.mark.slow
 def test_two_workers_of_two_replicas_sharded_match(golden, tmp_path):
-    # 2 workers x 2 simulated CPUs, sharded over the 4 replicas, saving a
-    # checkpoint every 10 steps (every worker gathers the shards).
+    # 2 workers x 2 simulated CPUs, sharded over the 4 replicas at stages 1
+    # and 2, saving a checkpoint every 25 steps (every worker gathers the
+    # shards).
     run_workers(["tests/workers/sharded_trainer_golden.py", "multi_worker",
                  str(tmp_path / "worker{index}.json"), str(tmp_path),
-                 "adam", "mixed_float16"], 2, timeout=300)
+                 *WORKER_CASES], 2, timeout=600)
     for index in range(2):
         worker = json.loads((tmp_path / f"worker{index}.json").read_text())
-        run = worker["adam"]["sharded"]
-        # The gathered (checkpointed) state is the one-device optimizer's.
-        assert_matches(run, golden["adam"]["one_device"], state=True)
-        assert run["iterations"] == 20
-        assert len(run["bytes_per_device"]) == 2
-        assert set(run["bytes_per_device"].values()) == {2 * 49 * 4 + 8 + 4}
+        for name in OPTIMIZERS:
+            for stage in STAGES:
+                run = worker[name][stage]
+                # The gathered (checkpointed) state is the one-device
+                # optimizer's.
+                assert_matches(run, golden[name]["one_device"], state=True)
+                assert run["iterations"] == STEPS
+                assert len(run["bytes_per_device"]) == 2
+            assert worker[name]["sharded2"]["path"] == "all-to-all"
+        for stage in STAGES:
+            assert set(worker["adam"][stage]["bytes_per_device"].values(
+                )) == {2 * 49 * 4 + 8 + 4}
         # Float16 rounds per replica: the same 4-replica split as the
         # mirrored unsharded run, the same skipped updates.
-        mixed = worker["mixed_float16"]["sharded"]
-        assert_matches(mixed, golden["mixed_float16"]["unsharded"],
-                       state=True)
-        assert mixed["iterations"] == golden["mixed_float16"]["unsharded"][
-            "iterations"] < 20
-    assert sorted(p for p in os.listdir(tmp_path / "adam")
-                  if p.startswith("ckpt-20")) == [
-        "ckpt-20.data-00000-of-00001", "ckpt-20.index"]
+        for stage in STAGES:
+            mixed = worker["mixed_float16"][stage]
+            assert_matches(mixed, golden["mixed_float16"]["unsharded"],
+                           state=True)
+            assert mixed["iterations"] == golden["mixed_float16"][
+                "unsharded"]["iterations"] < STEPS
+    assert sorted(p for p in os.listdir(tmp_path / "adam2")
+                  if p.startswith("ckpt-50")) == [
+        "ckpt-50.data-00000-of-00001", "ckpt-50.index"]
 
 
 # --- refusals at construction, in process ------------------------------------
@@ -139,8 +182,10 @@ def mirrored():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"shard_optimizer_state": 1}, r"`shard_optimizer_state` should be "
-     r"True or False, got 1"),
+    ({"shard_optimizer_state": 3}, r"`shard_optimizer_state` should be "
+     r"False, True \(stage 1\), 1 or 2 \(the ZeRO stage.*got 3"),
+    ({"shard_optimizer_state": "2"}, r"`shard_optimizer_state` should be "
+     r".*got '2'"),
     ({"sync": "local_sgd"}, r"`sync`=LocalSGD\(.*shard_optimizer_state=False"),
     ({"compression": "powersgd"}, r"`compression`=PowerSGD\(.*tf.cond"),
 ])

@@ -290,8 +290,8 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
             seconds = time.perf_counter() - start
             evaluation = model.evaluate(test, verbose=0, return_dict=True)
             traffic = tfmulti.keras.communication(model)
-            sharding = tfmulti.keras.fit.sharding_of(model)
-            balanced_fit = tfmulti.keras.fit.balance_of(model)
+            sharding = tfmulti.keras.fit_state.sharding_of(model)
+            balanced_fit = tfmulti.keras.fit_state.balance_of(model)
             balance_history = balanced_fit and balanced_fit.history
             final_train = {k: v[-1] for k, v in history.history.items()
                            if not k.startswith("val_")}
@@ -380,12 +380,12 @@ def _data_service_metrics(config: ExperimentConfig) -> dict:
 def _optimizer_state_bytes(strategy, optimizer, sharding) -> dict:
     """The optimizer state's bytes by device, read from where its variables
     live, for sharded and unsharded runs alike (see
-    `optimizer_sharding.state_bytes`); synchronous runs only (a pipeline's
+    `optimizer_memory.state_bytes`); synchronous runs only (a pipeline's
     stage optimizers and a parameter server's variables are other
     accounts)."""
-    from tfmulti.training import optimizer_sharding
-    per_device, host = optimizer_sharding.state_bytes(strategy, optimizer,
-                                                      sharding)
+    from tfmulti.training import optimizer_memory
+    per_device, host = optimizer_memory.state_bytes(strategy, optimizer,
+                                                    sharding)
     return {"optimizer_state_bytes_per_device": per_device,
             "optimizer_state_bytes_host": host}
 

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 
 from tfmulti import balance as balance_lib
+from tfmulti import zero_stage
 
 
 DEFAULT_DATASET = "tfmulti_shapes"
@@ -76,8 +77,9 @@ class ExperimentConfig:
     async_warmup_steps: int | None = None
     # None, "auto" or comma-separated weights ("3,1"): `Trainer(balance=)`.
     balance: str | None = None
-    # ZeRO-1: `Trainer(shard_optimizer_state=)` / `distributed(...)`.
-    shard_optimizer_state: bool = False
+    # ZeRO stage 0, 1 or 2 (True: 1): `Trainer(shard_optimizer_state=)` /
+    # `distributed(...)`.
+    shard_optimizer_state: int = 0
 
     def __post_init__(self):
         if self.cpu_replicas and self.num_gpus:
@@ -136,7 +138,13 @@ class ExperimentConfig:
                 f"{self.strategy!r}. Pass strategy=parameter_server, or use "
                 "warmup_steps for a synchronous run.",
                 flag="async_warmup_steps")
-        if self.shard_optimizer_state:
+        try:
+            stage = zero_stage.parse(self.shard_optimizer_state)
+        except ValueError as e:
+            raise ConfigError(str(e), flag="shard_optimizer_state") from None
+        # Frozen: the stage as an int, True given or 1.
+        object.__setattr__(self, "shard_optimizer_state", stage)
+        if stage:
             self._check_sharding()
         if (self.sync_every, self.outer_learning_rate, self.outer_momentum,
                 self.compression) != (1, 1.0, 0.0, "none"):
@@ -171,7 +179,8 @@ class ExperimentConfig:
         for conflict, flag, what in conflicts:
             if conflict:
                 raise ConfigError(
-                    f"`shard_optimizer_state`=True cannot run with {what}. "
+                    f"`shard_optimizer_state`={self.shard_optimizer_state} "
+                    f"cannot run with {what}. "
                     "Drop --shard_optimizer_state or that setting.",
                     flag=flag)
 

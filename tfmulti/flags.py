@@ -25,6 +25,7 @@ from tfmulti import experiment
 from tfmulti import experiment_config as config_lib
 from tfmulti import rundir
 from tfmulti import strategies
+from tfmulti import zero_stage
 
 _ALLREDUCE_DTYPES = ("float32", "float16", "bfloat16")
 _MIXED_PRECISION = ("none", "mixed_float16", "mixed_bfloat16")
@@ -143,10 +144,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                         "replica: none (even), auto (follow each replica's "
                         "measured speed) or weights per replica or worker, "
                         "e.g. 3,1.", **fv)
-    flags.DEFINE_bool("shard_optimizer_state", False, "ZeRO stage 1: each "
-                      "replica keeps the optimizer state of 1/N of the "
-                      "parameters (mirrored or multi_worker); checkpoints "
-                      "stay unsharded.", **fv)
+    # Boolean-like (a bare --shard_optimizer_state is stage 1, as before
+    # stage 2 existed) but `=2` for stage 2; `_parse_flags` refuses the
+    # stage as the next argument.
+    flags.DEFINE_flag(flags.Flag(
+        _StageParser(), flags.ArgumentSerializer(), "shard_optimizer_state",
+        0, "ZeRO stage: 0/false off; 1/true (or bare) each replica keeps "
+        "the optimizer state of 1/N of the parameters; 2 also only its "
+        "shard of the reduced gradient (mirrored or multi_worker); "
+        "checkpoints stay unsharded.", boolean=True), **fv)
     flags.DEFINE_integer("powersgd_rank", 4, "PowerSGD rank.",
                          lower_bound=1, **fv)
     flags.DEFINE_integer("powersgd_start_iter", None, "PowerSGD: dense "
@@ -205,7 +211,36 @@ def _usage_error(message: str, flag: str | None = None,
     sys.exit(1)
 
 
+class _StageParser(flags.ArgumentParser):
+    """--shard_optimizer_state's values: 0, 1, 2, true or false."""
+
+    def parse(self, argument):
+        return zero_stage.parse(argument, name="--shard_optimizer_state",
+                                words=True)
+
+    def flag_type(self):
+        return "ZeRO stage"
+
+
+def _stage_after_bare_flag(argv: list[str]) -> str | None:
+    # absl reads a bare boolean-like flag as "true" and leaves a following
+    # "2" as a positional argument: `--shard_optimizer_state 2` would be
+    # stage 1 plus a stray argument.
+    for flag, following in zip(argv, argv[1:]):
+        if flag in ("--shard_optimizer_state", "-shard_optimizer_state") and (
+                following.strip().lower() in ("0", "1", "2", "true",
+                                              "false")):
+            return following
+    return None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
+    stage = _stage_after_bare_flag(argv)
+    if stage is not None:
+        _usage_error(
+            f"`--shard_optimizer_state {stage}` reads as stage 1 followed "
+            f"by a stray argument {stage!r}; write "
+            f"--shard_optimizer_state={stage}.", "shard_optimizer_state")
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

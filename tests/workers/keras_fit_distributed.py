@@ -69,10 +69,16 @@ CASES = {
                                  "grad_accum_steps": 4,
                                  "shard_optimizer_state": True},
                            None, 4 * BATCH, 6),
+    # The same at ZeRO stage 2 (the gradient reduce-scattered).
+    "sharded2_clip_accum": (sgd, {"clip_global_norm": 0.05,
+                                  "grad_accum_steps": 4,
+                                  "shard_optimizer_state": 2},
+                            None, 4 * BATCH, 6),
 }
 # Distributed only: compared with another case's golden run.
-NO_GOLDEN = ("sharded_clip_accum",)
-MULTI_WORKER_CASES = ("sgd_momentum", "clip_accum", "sharded_clip_accum")
+NO_GOLDEN = ("sharded_clip_accum", "sharded2_clip_accum")
+MULTI_WORKER_CASES = ("sgd_momentum", "clip_accum", "sharded_clip_accum",
+                      "sharded2_clip_accum")
 
 
 def build(strategy, make_optimizer, steps_per_execution):
@@ -115,7 +121,7 @@ def run_case(strategy, case, golden):
               "optimizer": [v.numpy().tolist()
                             for v in model.optimizer.variables],
               "fit_seconds": time.perf_counter() - began}
-    sharding = tfmulti.keras.fit.sharding_of(model)
+    sharding = tfmulti.keras.fit_state.sharding_of(model)
     if sharding is not None:
         result["bytes_per_device"] = sharding.state_bytes_per_device()
     if case == "sgd_momentum":

@@ -6,12 +6,13 @@ Usage: sharded_trainer_golden.py MODE OUT_JSON WORKDIR [CASE ...]
 
 MODE=local, per optimizer case: the Trainer on one device (the golden run;
 K micro-batches taken as one batch of K*B), on 4 mirrored replicas
-unsharded and sharded, with clipping by the global norm and accumulation.
-Then the elastic resumes through `model_dir` (the unsharded checkpoint
-form): sharded on 4 replicas -> one device, and one device -> sharded on 4.
+unsharded, sharded at ZeRO stage 1 ("sharded") and stage 2 ("sharded2"),
+with clipping by the global norm and accumulation. Then the elastic resumes
+through `model_dir` (the unsharded checkpoint form): sharded (stage 1 and
+2) on 4 replicas -> one device, and one device -> sharded on 4.
 MODE=multi_worker: TF_CONFIG from the environment, 2 simulated CPU
-replicas per worker; each case sharded, saving checkpoints into WORKDIR
-(every worker gathers the shards).
+replicas per worker; each case sharded at stages 1 and 2, saving
+checkpoints into WORKDIR (every worker gathers the shards).
 Writes {case: {run: {"loss", "weights", ...}}}.
 """
 
@@ -37,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 
 from golden_data import BATCH, X, Y  # noqa: E402
 
-STEPS = 20
+STEPS = 50
 RESUME_AT, RESUME_STEPS = 25, 50
 CLIP = 0.5
 # Rates that keep the trajectory contractive (PITFALLS.md: at 0.1 the
@@ -56,7 +57,14 @@ CASES = {
     "mixed_float16": (lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.Adam(0.01), initial_scale=2.0**24),
                       {"mixed_precision": "mixed_float16"}),
+    # bfloat16 on the wire; its one-device run is the float32 reference
+    # (one device would round its gradient to bfloat16 too).
+    "bf16_wire": (lambda: keras.optimizers.Adam(0.01),
+                  {"allreduce_dtype": "bfloat16"}),
 }
+# Which runs a case gets: (label, layout, ZeRO stage).
+RUNS = (("one_device", "one_device", 0), ("unsharded", "mirrored4", 0),
+        ("sharded", "mirrored4", 1), ("sharded2", "mirrored4", 2))
 ACCUM = 2
 # Compared with the unsharded run on the same replicas only: one device's
 # float16 gradient overflows at other steps than a replica's.
@@ -107,12 +115,21 @@ def run(strategy, name, *, sharded, golden):
     make_optimizer, kwargs = CASES[name]
     # One device takes the K micro-batches as one batch of K*B.
     k = 1 if golden else ACCUM
+    if golden:
+        kwargs = {k: v for k, v in kwargs.items() if k != "allreduce_dtype"}
     t = trainer(strategy, make_optimizer, sharded=sharded, k=k, **kwargs)
     history = t.fit(data(BATCH * ACCUM // k), steps=STEPS, verbose=0)
     out = result(t, history)
     if sharded:
-        out["bytes_per_device"] = t.runner.sharding.state_bytes_per_device()
+        out.update(sharding_facts(t))
     return out
+
+
+def sharding_facts(t):
+    sharding = t.runner.sharding
+    return {"bytes_per_device": sharding.state_bytes_per_device(),
+            "path": sharding.reduce_scatter and sharding.reduce_scatter.path,
+            "communication": t.communication}
 
 
 def resume(first, second, model_dir):
@@ -135,13 +152,17 @@ def multi_worker(out, workdir, names):
     results = {}
     for name in names:
         make_optimizer, kwargs = CASES[name]
-        t = trainer(strategy, make_optimizer, sharded=True, k=ACCUM,
-                    model_dir=os.path.join(workdir, name), **kwargs)
-        history = t.fit(data(BATCH), steps=STEPS, checkpoint_every=10,
-                        verbose=0)
-        results[name] = {"sharded": dict(
-            result(t, history),
-            bytes_per_device=t.runner.sharding.state_bytes_per_device())}
+        results[name] = {}
+        for label, stage in (("sharded", 1), ("sharded2", 2)):
+            gc.collect()
+            gc.freeze()
+            t = trainer(strategy, make_optimizer, sharded=stage, k=ACCUM,
+                        model_dir=os.path.join(workdir, f"{name}{stage}"),
+                        **kwargs)
+            history = t.fit(data(BATCH), steps=STEPS, checkpoint_every=25,
+                            verbose=0)
+            results[name][label] = dict(result(t, history),
+                                        **sharding_facts(t))
     with open(out.format(index=tfmulti.cluster_config().task_index),
               "w") as f:
         json.dump(results, f)
@@ -151,9 +172,7 @@ def main(out, workdir, names):
     results = {}
     for name in names:
         case = {}
-        for label, layout, sharded in (("one_device", "one_device", False),
-                                       ("unsharded", "mirrored4", False),
-                                       ("sharded", "mirrored4", True)):
+        for label, layout, sharded in RUNS:
             if label == "one_device" and name in NO_ONE_DEVICE:
                 continue
             # Tracing in a process holding many traced functions stalls in
@@ -177,6 +196,12 @@ def main(out, workdir, names):
             "one_device_to_sharded": resume(
                 ("one_device", False), ("mirrored4", True),
                 os.path.join(workdir, "one_device_first")),
+            "sharded2_to_one_device": resume(
+                ("mirrored4", 2), ("one_device", False),
+                os.path.join(workdir, "sharded2_first")),
+            "one_device_to_sharded2": resume(
+                ("one_device", False), ("mirrored4", 2),
+                os.path.join(workdir, "one_device_first2")),
         }
     with open(out, "w") as f:
         json.dump(results, f)

@@ -220,8 +220,6 @@ def _two_clusters():
 
 def _soak(mode, timeout):
     # Minutes long by design: the full bench only.
-    if "soak" not in mode:
-        return None
     settings = mode["soak"]
     # The two jobs at once: threads, memory and files are per process, and
     # the part stays minutes long rather than twice that.
@@ -242,8 +240,6 @@ def _prepared_data_dir(mode):
 
 
 def _communication_reduction(mode, timeout):
-    if "communication_reduction" not in mode:
-        return None  # not in --quick / --tiny
     data_dir = _prepared_data_dir(mode)
     configs = cluster_lib.local_cluster(2)
     return parts.run_part(
@@ -258,16 +254,12 @@ def _communication_reduction(mode, timeout):
 def _pipeline_bubble(mode, timeout):
     # Full runs only: S stages need S cores to overlap, and the bubble is a
     # property of the schedule, not worth a minute of every --quick run.
-    if "pipeline_bubble" not in mode:
-        return None
     return {str(s): parts.run_part("pipeline_bubble", {"stages": s},
                               timeout=timeout)[0]
             for s in mode["pipeline_bubble"]["stages"]}
 
 
 def _recipes(mode, timeout):
-    if "recipes" not in mode:
-        return None  # not in --quick / --tiny
     from tfmulti.bench import recipe_commands
     data_dir = _prepared_data_dir(mode)
     settings = mode["recipes"]
@@ -279,16 +271,12 @@ def _recipes(mode, timeout):
 
 def _balance(mode, timeout):
     # Full runs only (`--only balance`): minutes on 2 shared cores.
-    if "balance" not in mode:
-        return None
     from tfmulti.bench import balance
     return balance.run(parts.run_part, mode["balance"], timeout)
 
 
 def _data_service(mode, timeout):
     # Not in --quick: three service processes and a minute of rounds.
-    if "data_service" not in mode:
-        return None
     from tfmulti.bench import data_service
     return data_service.run(parts.run_part, mode["data_service"], timeout,
                             _prepared_data_dir(mode))
@@ -296,14 +284,16 @@ def _data_service(mode, timeout):
 
 def _sharding(mode, timeout):
     # Full runs only (`--only sharding`): two processes, four Trainers.
-    if "sharding" not in mode:
-        return None
     settings = dict(mode["sharding"])
     counts = settings.pop("replicas")
     return {str(n): parts.run_part("sharding", dict(settings, replicas=n),
                                    timeout=timeout)[0] for n in counts}
 
 
+# Parts that run only where their mode names them (their settings key is
+# their name): minutes long, or processes a quick run cannot afford.
+OPTIONAL_PARTS = ("soak", "pipeline_bubble", "communication_reduction",
+                  "recipes", "balance", "data_service", "sharding")
 RUNNERS = {"step_overhead": _step_overhead, "input_pipeline": _input_pipeline,
            "communication": _communication,
            "accumulation_memory": _accumulation_memory, "soak": _soak,
@@ -374,7 +364,15 @@ def run(*, out: str, mode: str = "quick", only=PART_NAMES,
         print(f"tfmulti.bench: {name} took "
               f"{time.monotonic() - part_began:.0f} s", flush=True)
 
-    names = [name for name in PART_NAMES if name in only]
+    # A part its mode does not name (the soak, the recipes, ... in
+    # --quick) is skipped here, not reported as taking 0 s.
+    names = [name for name in PART_NAMES if name in only and (
+        name not in OPTIONAL_PARTS or name in settings)]
+    skipped = [name for name in PART_NAMES
+               if name in only and name not in names]
+    if skipped:
+        print(f"tfmulti.bench: not in --{mode}: {', '.join(skipped)}",
+              flush=True)
     if "deadline" in settings and "step_overhead" in names:
         # To a budget: the fixed-length parts first, then the adaptive
         # step-overhead rounds until the deadline, so that the budget

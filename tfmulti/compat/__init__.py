@@ -24,6 +24,7 @@ from tfmulti.compat.cluster import (expand_slurm_hostlist,
                                     expand_slurm_tasks_per_node)
 from tfmulti.compat.collectives import (abort_collectives,
                                         all_reduce_in_replica,
+                                        all_to_all_in_replica,
                                         bind_collective_keys_at_trace_time,
                                         collective_all_reduce,
                                         local_collective_all_reduce)
@@ -78,7 +79,8 @@ from tfmulti.compat.versions import (keras_major, SUPPORTED_KERAS_MAJOR)
 
 __all__ = [
     "abort_collectives", "additional_loss", "adopt_variable",
-    "all_reduce_in_replica", "bind_collective_keys_at_trace_time",
+    "all_reduce_in_replica", "all_to_all_in_replica",
+    "bind_collective_keys_at_trace_time",
     "build_models_without_call", "call_has_training_arg",
     "callback_write_paths", "called_by_keras_build", "check_keras_step",
     "checkpoint_prefixes", "cluster_resolver", "collective_all_reduce",

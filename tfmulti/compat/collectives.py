@@ -99,6 +99,42 @@ def all_reduce_in_replica(ops, values, options):
                                 context._replica_id, options))
 
 
+# --- All-to-all from replica context (reduce-scatter on CPU) ---------------
+# ZeRO-2 reduce-scatters gradients; TF 2.21 has no CPU implementation of
+# `CollectiveReduceScatterV2` ("CollectiveRegistry::Lookup did not find
+# collective implementation undef") and `ReplicaContext` offers no
+# reduce-scatter or all-to-all. `CollectiveAllToAllV2` runs on CPU; issued
+# from the strategy's own `CollectiveReplicaLauncher` (private:
+# `CollectiveAllReduce._launchers`; the launcher's `_group_key`,
+# `_group_size`, `_device`, `_options`, `_next_instance_key`,
+# `_get_ordering_token`) it joins the strategy's group, whose ranks are the
+# replica ids (the order `all_gather` relies on too). Checked: TF 2.21.0.
+# Guard: test_compat.py::test_private_names_tfmulti_reads_still_exist, and
+# tests/test_optimizer_sharding.py::test_all_to_all_reduce_scatters.
+def all_to_all_in_replica(ops, value, options=None):
+    """Rank i of the group receives row i of `value` from every replica,
+    stacked in rank order (row j from rank j); from replica context.
+
+    Args:
+      ops: the strategy's `CollectiveAllReduce` (`collective_all_reduce`).
+      value: a tensor of shape [N, ...], N the group size (the kernel
+        refuses any other first dimension: "input to all-to-all first
+        dimension size (8) must be the same as the group size (4)").
+      options: `tf.distribute.experimental.CommunicationOptions` or None.
+    """
+    from tensorflow.python.ops import collective_ops
+    context = tf.distribute.get_replica_context()
+    launcher = ops._launchers[context._replica_id]
+    instance_key = launcher._next_instance_key()
+    merged = launcher._options.merge(options)
+    token = launcher._get_ordering_token()
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            value, launcher._group_size, launcher._group_key, instance_key,
+            communication_hint=merged.implementation.value,
+            timeout=merged.timeout_seconds, ordering_token=token)
+
+
 # --- Aborting pending collectives -------------------------------------------
 # A collective waiting for a peer that never comes blocks until TensorFlow's
 # own timeout (none by default); `context.abort_collective_ops` (private:

@@ -23,7 +23,7 @@ import keras
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat
-from tfmulti.keras import fit as fit_lib
+from tfmulti.keras import fit_state
 from tfmulti.keras import pipelined as pipelined_lib
 from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import loop as loop_lib
@@ -107,8 +107,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         # optimizer's format, as the Trainer does.
         optimizer, after_restore = pipelined_lib.checkpoint_optimizer(model)
         # `fit` made the train function (and its reducer) before this.
-        reducer = fit_lib.reducer_of(model)
-        sharding = fit_lib.sharding_of(model)
+        reducer = fit_state.reducer_of(model)
+        sharding = fit_state.sharding_of(model)
         if sharding is not None:
             # The backup holds the unsharded optimizer, as the Trainer's.
             after_restore = functools.partial(sharding.load_from,
@@ -167,7 +167,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return checkpoints_lib.Position(
             step=int(self.model.optimizer.iterations.numpy()), epoch=epoch,
             batch=batch, num_replicas=strategy.num_replicas_in_sync,
-            batches_per_step=fit_lib.batches_per_step(self.model),
+            batches_per_step=fit_state.batches_per_step(self.model),
             num_workers=cluster_lib.of_strategy(strategy).num_workers,
             extra={_STEPS_PER_EPOCH: self.params.get("steps")})
 
@@ -265,7 +265,7 @@ class _SkipBatches:
         self.function = model.train_function
         # Counted in batches: a step of a tfmulti.keras.distributed model
         # with gradient accumulation reads several.
-        per_step = fit_lib.batches_per_step(model)
+        per_step = fit_state.batches_per_step(model)
         self.remaining = count * per_step
         self._per_call = max(1, int(getattr(model, "steps_per_execution",
                                             1))) * per_step

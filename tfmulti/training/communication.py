@@ -213,6 +213,14 @@ class SynchronousReducer(Reducer):
         return gradients_lib.all_reduce_sum(grads, options=self._options,
                                             dtype=self._dtype)
 
+    def reduce_scatter(self, grads, sharding):
+        """ZeRO-2: this replica's shard of the summed gradients, through
+        `sharding.scatter` (replica context); counted as the update's
+        gradient collective, its payload the padded flat gradient."""
+        self._traced_bytes = sharding.reduce_scatter.payload_bytes(
+            sharding.dtype)
+        return sharding.scatter(grads)
+
     def after_update(self):
         """Counts this update's all-reduce (cross-replica context)."""
         if self._traced_bytes and self._strategy.num_replicas_in_sync > 1:

@@ -42,7 +42,8 @@ def sum_over_replicas(strategy, local):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
 
 
-def create_train_loop(step_fn, *, strategy, metrics=(), before=()):
+def create_train_loop(step_fn, *, strategy, metrics=(), before=(),
+                      read=None):
     """Builds `train(iterator, num_steps)`: `num_steps` calls of `step_fn`.
 
     Args:
@@ -55,12 +56,17 @@ def create_train_loop(step_fn, *, strategy, metrics=(), before=()):
         eager collective per metric variable between loops).
       before: callables traced at the start of each call, before the first
         step (e.g. `numerics.WeightCheck.record`); results dropped.
+      read: a callable traced after the last step, whose value the call
+        returns in place of the per-step losses: Keras `fit` reads its
+        metrics so, in the same function call, and skips the per-step loss
+        array and its sum over replicas, which it does not use.
 
     Returns:
       `train(iterator, num_steps) -> tf.Tensor` of shape [num_steps]: per
       step, the sum over replicas of `step_fn`'s value; with `metrics`, a
-      pair (that tensor, {metric name: result}). `num_steps` must be a
-      scalar `tf.Tensor`, so that one trace serves every loop length.
+      pair (that tensor, {metric name: result}); with `read`, its value.
+      `num_steps` must be a scalar `tf.Tensor`, so that one trace serves
+      every loop length.
     """
 
     num_local = len(strategy.extended.worker_devices)
@@ -71,6 +77,12 @@ def create_train_loop(step_fn, *, strategy, metrics=(), before=()):
             metric.reset_state()
         for fn in before:
             fn()
+        if read is not None:
+            for _ in tf.range(num_steps):
+                step_fn(iterator)
+            replica_statistics.average(strategy,
+                                       getattr(step_fn, "model", None))
+            return read()
         # One array per local replica, written on that replica's device: no
         # cross-device copy per step, one sum after the loop.
         values = [tf.TensorArray(tf.float32, size=num_steps)

@@ -61,7 +61,7 @@ def guarded_optimizer(optimizer, variables, *, strategy, mixed_precision,
     with `on_nonfinite="skip"`, with dynamic loss scaling under
     "mixed_float16", built for `variables` under `strategy` (inside
     `build_scope`, a context, if given: a sharded run builds the unsharded
-    form on the host, `optimizer_sharding.host_variables`)."""
+    form on the host, `shard_placement.host_variables`)."""
     with strategy.scope(), build_scope or contextlib.nullcontext():
         optimizer = skipping_optimizer(optimizer, on_nonfinite)
         if (mixed_precision == "mixed_float16" and not isinstance(

@@ -1,5 +1,6 @@
-"""Sharded optimizer state (ZeRO stage 1): each replica keeps the optimizer
-slots of 1/N of the parameters.
+"""Sharded optimizer state (ZeRO stages 1 and 2): each replica keeps the
+optimizer slots of 1/N of the parameters; at stage 2 also only its 1/N of
+the reduced gradient.
 
 The trainable variables are flattened into one vector, padded to a multiple
 of N and cut into N equal shards, so any layer sizes split evenly. Replica r
@@ -11,15 +12,18 @@ slices this replica's shard, applies the optimizer to it, all-gathers the N
 updated shards and writes the full parameters into the mirrored variables.
 
 This is exact for element-wise optimizers (Adam, AdamW, SGD with momentum,
-RMSprop, ...): a shard's update is the slice of the full update. The
-gradient is still all-reduced and then sliced (CPU has no reduce-scatter
-in the replica context), so stage 2 is not done here.
+RMSprop, ...): a shard's update is the slice of the full update. Stage 1
+all-reduces the gradient and slices it; stage 2 reduce-scatters it
+(`reduce_scatter`: an all-to-all on CPU) and decides the clipping norm and
+the loss scale's finiteness from sums over the shards (one small
+all-reduce), so it makes the same updates.
 
 The unsharded view (`assign_to`, `load_from`) maps the shards back to the
 slots of an ordinary optimizer built on the model's variables, so
 checkpoints keep the unsharded format. The Trainer builds that optimizer's
-slots in host memory, once per worker (`host_variables`), not mirrored on
-every replica: it is the checkpoint's form, written at each save.
+slots in host memory, once per worker, not mirrored on
+every replica: it is the checkpoint's form, written at each save
+(`unsharded_view`, `shard_placement.host_variables`).
 
 A `keras.optimizers.LossScaleOptimizer` (mixed precision, or the Trainer's
 `on_nonfinite="skip"`) is sharded through its inner optimizer; its loss
@@ -30,29 +34,21 @@ non-finite update is skipped on every shard, and the scale halves or grows.
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfmulti import cluster as cluster_lib
 from tfmulti import compat
+from tfmulti.training import flat_layout, optimizer_memory, shard_placement
+from tfmulti.training import reduce_scatter, unsharded_view
+from tfmulti.training.unsharded_view import inner
 
 # Optimizers whose update of each element depends on that element's gradient,
 # parameter and slots only (plus scalars such as the step): a shard's update
 # is the slice of the full update.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
                "Adamax", "Nadam", "Lion", "Ftrl")
-
-
-def inner(optimizer):
-    """The optimizer whose state is sharded: a LossScaleOptimizer's inner
-    one, else `optimizer` itself."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
 
 
 def check_shardable(optimizer) -> None:
@@ -108,119 +104,7 @@ def check_shardable(optimizer) -> None:
             "shard_optimizer_state=False with exclusions.")
 
 
-class FlatLayout:
-    """Where each variable's elements sit in the flat, padded vector.
-
-    Args:
-      shapes: the variables' shapes.
-      num_shards: N.
-    """
-
-    def __init__(self, shapes, num_shards: int):
-        self.shapes = [tf.TensorShape(s) for s in shapes]
-        self.sizes = [int(s.num_elements()) for s in self.shapes]
-        self.total = sum(self.sizes)
-        self.num_shards = int(num_shards)
-        self.shard_size = max(1, math.ceil(self.total / self.num_shards))
-        self.padded = self.shard_size * self.num_shards
-
-    def flatten(self, tensors):
-        """The tensors as one padded vector of length `padded`."""
-        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-        return tf.pad(flat, [[0, self.padded - self.total]])
-
-    def shard(self, flat, index: int):
-        """Shard `index` of a flat vector."""
-        start = index * self.shard_size
-        return flat[start:start + self.shard_size]
-
-    def shard_of(self, tensors, index: int):
-        """`shard(flatten(tensors), index)`, built from the pieces of the
-        tensors that overlap shard `index` only: 1/N of the copying, which
-        a replica does for its gradient and parameters at every update."""
-        start = index * self.shard_size
-        stop = start + self.shard_size
-        pieces, offset = [], 0
-        for tensor, size in zip(tensors, self.sizes):
-            low, high = max(start, offset), min(stop, offset + size)
-            if low < high:
-                pieces.append(tf.reshape(tensor, [-1])[low - offset:
-                                                       high - offset])
-            offset += size
-        padding = stop - max(start, min(stop, self.total))
-        if padding:
-            pieces.append(tf.zeros([padding], tensors[0].dtype))
-        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
-
-    def unflatten(self, flat):
-        """The padded vector back as tensors of the variables' shapes."""
-        parts = tf.split(flat[:self.total], self.sizes)
-        return [tf.reshape(p, s) for p, s in zip(parts, self.shapes)]
-
-
-@contextlib.contextmanager
-def _device_local_variables():
-    # Under a strategy scope every tf.Variable becomes distributed; the
-    # shards must be plain variables on one device each.
-    def creator(next_creator, **kwargs):
-        del next_creator
-        return compat.plain_variable(**kwargs)
-    with tf.variable_creator_scope(creator):
-        yield
-
-
-def host_device(strategy) -> str:
-    """The CPU of this worker's host (where its replicas' devices live)."""
-    spec = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
-    return spec.replace(device_type="CPU", device_index=0).to_string()
-
-
-@contextlib.contextmanager
-def host_variables(strategy):
-    """Variables created inside are plain ones on this worker's host CPU,
-    also under `strategy`'s scope: the unsharded optimizer a sharded run
-    checkpoints lives there once per worker, not once per replica."""
-    with tf.device(host_device(strategy)), _device_local_variables():
-        yield
-
-
-def _assign(strategy, variable, value):
-    # In cross-replica context (a merge_call): `value` holds the replicas'
-    # equal values. A mirrored variable takes each replica's own copy; a
-    # plain (host) variable the first.
-    variable = _tf_variable(variable)
-    if isinstance(variable, tf.distribute.DistributedValues) and isinstance(
-            value, tf.distribute.DistributedValues):
-        strategy.extended.update(variable, lambda v, x: v.assign(x),
-                                 args=(value,), group=False)
-    else:
-        # One local replica: merge_call passes the value itself, which
-        # `update` would try to broadcast (MultiWorkerMirroredStrategy:
-        # "destinations can not be empty").
-        variable.assign(strategy.experimental_local_results(value)[0])
-
-
-def _tf_variable(variable):
-    # A Keras variable's TensorFlow (distributed) variable.
-    return (variable.value if isinstance(variable, keras.Variable)
-            else variable)
-
-
-def _canonical(device) -> str:
-    return tf.DeviceSpec.from_string(str(device)).to_string()
-
-
-def _static_replica_id(context) -> int:
-    value = tf.get_static_value(context.replica_id_in_sync_group)
-    if value is None:
-        raise RuntimeError(
-            "The replica id is not a constant in this strategy; "
-            "shard_optimizer_state needs MirroredStrategy or "
-            "MultiWorkerMirroredStrategy.")
-    return int(value)
-
-
-class ShardedOptimizer:
+class ShardedOptimizer(unsharded_view.UnshardedView):
     """A Keras optimizer whose state is split over the replicas (ZeRO-1).
 
     Args:
@@ -233,14 +117,24 @@ class ShardedOptimizer:
         the unsharded optimizer's count). A LossScaleOptimizer: its inner
         optimizer is sharded and its loss scale applied (see the module).
       variables: the trainable variables, all of one floating dtype.
+      stage: 1 (the gradient arrives all-reduced, `apply`) or 2 (each
+        replica reduce-scatters its local gradient, `scatter`, and applies
+        its shard, `apply_shard`).
+      communication_options: for the stage-2 reduce-scatter.
+      wire_dtype: None, "float16" or "bfloat16": the stage-2 gradient on
+        the wire (the Trainer's `allreduce_dtype`).
 
     Raises:
       ValueError: the optimizer cannot be sharded (see `check_shardable`), or
         the variables mix dtypes.
     """
 
-    def __init__(self, strategy, optimizer, variables):
+    def __init__(self, strategy, optimizer, variables, *, stage=1,
+                 communication_options=None, wire_dtype=None):
         check_shardable(optimizer)
+        if stage not in (1, 2):
+            raise ValueError(f"`stage` should be 1 or 2, got {stage!r}.")
+        self.stage = stage
         # The optimizer this shards (a LossScaleOptimizer included).
         self.optimizer = optimizer
         self._loss_scale = (
@@ -269,14 +163,14 @@ class ShardedOptimizer:
                 "trainable variables in one dtype.")
         self.dtype = dtypes.pop()
         self.num_shards = strategy.num_replicas_in_sync
-        self.layout = FlatLayout([v.shape for v in self._variables],
-                                 self.num_shards)
-        self.devices = tuple(_canonical(d)
+        self.layout = flat_layout.FlatLayout(
+            [v.shape for v in self._variables], self.num_shards)
+        self.devices = tuple(shard_placement.canonical(d)
                              for d in strategy.extended.worker_devices)
         config = optimizer.get_config()
         self.shards = []
         self.optimizers = []
-        with _device_local_variables():
+        with shard_placement.device_local_variables():
             for i, device in enumerate(self.devices):
                 with tf.device(device):
                     shard = keras.Variable(
@@ -289,12 +183,21 @@ class ShardedOptimizer:
                 self.shards.append(shard)
                 self.optimizers.append(opt)
         self._gather = None
+        self.reduce_scatter = reduce_scatter.ReduceScatter(
+            strategy, self.layout, options=communication_options,
+            wire_dtype=wire_dtype) if stage == 2 else None
+
+    def scatter(self, grads):
+        """Stage 2: this replica's shard of the gradients summed over every
+        replica (replica context; `reduce_scatter` says how)."""
+        _, index = self._local(tf.distribute.get_replica_context())
+        return self.reduce_scatter(self._dense(grads), index)
 
     def _local(self, context):
         # Replica ids run over the workers in rank order, each worker's
         # local replicas in the order of `worker_devices` (the replica
         # context of MultiWorkerMirroredStrategy names no device).
-        index = _static_replica_id(context)
+        index = shard_placement.static_replica_id(context)
         local = index - self._first_index()
         if not 0 <= local < len(self.devices):
             raise RuntimeError(
@@ -305,7 +208,7 @@ class ShardedOptimizer:
         return local, index
 
     def apply(self, grads):
-        """Applies the reduced gradients; call in replica context.
+        """Stage 1: applies the reduced gradients; call in replica context.
 
         Args:
           grads: reduced (and clipped) gradients, one per variable, the same
@@ -314,11 +217,71 @@ class ShardedOptimizer:
         """
         context = tf.distribute.get_replica_context()
         local, index = self._local(context)
-        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                 for g, v in zip(grads, self._variables)]
+        grads = self._dense(grads)
         finite, scale_state = tf.constant(True), ()
         if self._loss_scale is not None:
-            finite, scale_state, grads = self._unscale(grads)
+            finite = self._loss_scale.check_finite(grads)
+            scale_state = self._next_scale(finite)
+            grads = [g / self._scale() for g in grads]
+        self._update(context, local, index,
+                     lambda: self.layout.shard_of(grads, index), finite,
+                     scale_state)
+
+    def apply_shard(self, grad_shard, *, clip_norm=None):
+        """Stage 2: applies this replica's shard of the reduced gradient
+        (`reduce_scatter.ReduceScatter`); call in replica context.
+
+        What the unsharded step decides on the whole reduced gradient is
+        decided here on sums over the shards, in one small all-reduce: the
+        clipping norm (the sum of the shards' squared norms) and, under a
+        LossScaleOptimizer, whether every element is finite.
+
+        Args:
+          grad_shard: the flat shard (`layout.shard_size` elements), still
+            multiplied by the loss scale under a LossScaleOptimizer.
+          clip_norm: clip the whole gradient to this global norm, or None.
+        """
+        context = tf.distribute.get_replica_context()
+        local, index = self._local(context)
+        sums = []
+        if clip_norm is not None:
+            sums.append(tf.reduce_sum(tf.square(grad_shard)))
+        if self._loss_scale is not None:
+            sums.append(tf.reduce_sum(tf.cast(
+                ~tf.math.is_finite(grad_shard), grad_shard.dtype)))
+        if sums:
+            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+        finite, scale_state = tf.constant(True), ()
+        if clip_norm is not None:
+            norm = tf.sqrt(sums[0])
+            limit = clip_norm * self._scale()
+            # tf.clip_by_global_norm's arithmetic: NaN when the norm is not
+            # finite, so such an update is skipped (or NaN) as unsharded.
+            factor = limit * tf.minimum(1.0 / norm, 1.0 / limit) + (
+                norm - norm)
+            grad_shard = grad_shard * factor
+        if self._loss_scale is not None:
+            finite = tf.equal(sums[-1], 0.0)
+            if clip_norm is not None:
+                finite = finite & tf.math.is_finite(norm)
+            scale_state = self._next_scale(finite)
+            grad_shard = grad_shard / self._scale()
+        self._update(context, local, index, lambda: grad_shard, finite,
+                     scale_state)
+
+    def _dense(self, grads):
+        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                for g, v in zip(grads, self._variables)]
+
+    def _scale(self):
+        # The loss scale the gradients carry (1 without loss scaling).
+        return tf.cast(self.optimizer.scale_loss(tf.constant(1.0)),
+                       self.dtype)
+
+    def _update(self, context, local, index, grad_shard, finite,
+                scale_state):
+        """Updates shard `index` with `grad_shard()` where `finite`, gathers
+        the shards and writes the parameters, step and loss scale."""
         shard = self.shards[local]
         shard.assign(self.layout.shard_of([v.value for v in self._variables],
                                           index))
@@ -330,8 +293,7 @@ class ShardedOptimizer:
                 self._rate_source.learning_rate)
 
         def update():
-            self.optimizers[local].apply(
-                [self.layout.shard_of(grads, index)], [shard])
+            self.optimizers[local].apply([grad_shard()], [shard])
             return tf.constant(True)
         # The branch holds no collective (the shard optimizer is local), so
         # a cond in replica context is safe; the gather below runs always.
@@ -346,13 +308,13 @@ class ShardedOptimizer:
 
         def assign(strategy, values, iterations, scale_state):
             for var, value in zip(self._variables, values):
-                _assign(strategy, var, value)
-            _assign(strategy, self._iterations, iterations)
+                shard_placement.assign(strategy, var, value)
+            shard_placement.assign(strategy, self._iterations, iterations)
             if scale_state:
-                _assign(strategy, self._loss_scale.step_counter,
-                        scale_state[0])
-                _assign(strategy, self._loss_scale.dynamic_scale,
-                        scale_state[1])
+                shard_placement.assign(
+                    strategy, self._loss_scale.step_counter, scale_state[0])
+                shard_placement.assign(
+                    strategy, self._loss_scale.dynamic_scale, scale_state[1])
         context.merge_call(assign, args=(values, iterations, scale_state))
 
     def _all_gather(self, context, shard, index):
@@ -374,11 +336,10 @@ class ShardedOptimizer:
             return context.all_reduce(tf.distribute.ReduceOp.SUM, placed)
         return context.all_gather(shard, axis=0)
 
-    def _unscale(self, grads):
-        """Keras's LossScaleOptimizer on the reduced gradient: whether to
-        apply, the next (step counter, scale), the unscaled gradients."""
+    def _next_scale(self, finite):
+        """Keras's LossScaleOptimizer after an update whose gradient was
+        `finite` (or not): the next (step counter, scale)."""
         lso = self._loss_scale
-        finite = lso.check_finite(grads)
         counter = tf.convert_to_tensor(lso.step_counter)
         scale = tf.convert_to_tensor(lso.dynamic_scale)
         grow = finite & tf.equal(counter, lso.dynamic_growth_steps - 1)
@@ -386,99 +347,7 @@ class ShardedOptimizer:
                                 tf.zeros_like(counter))
         next_scale = tf.where(grow, scale * 2.0,
                               tf.where(finite, scale, scale * 0.5))
-        return finite, (next_counter, next_scale), [g / scale for g in grads]
-
-    # --- the unsharded view ------------------------------------------------
-
-    def _scalar_names(self):
-        # The shard optimizers' variables not built from the shard (the
-        # step, the learning rate, Nadam's u_product) are shared scalars.
-        prefix = self.shards[0].name + "_"
-        return {v.name for v in self.optimizers[0].variables
-                if not v.name.startswith(prefix)}
-
-    def _scalars(self, optimizer):
-        names = self._scalar_names()
-        return [v for v in optimizer.variables if v.name in names]
-
-    def _kinds(self):
-        # The slot names of the shard optimizers ("momentum", "velocity").
-        prefix = self.shards[0].name + "_"
-        return [v.name[len(prefix):] for v in self.optimizers[0].variables
-                if v.name.startswith(prefix)]
-
-    def _local_slots(self, local):
-        names = {v.name: v for v in self.optimizers[local].variables}
-        return [names[f"{self.shards[local].name}_{k}"] for k in self._kinds()]
-
-    def _full_slots(self, optimizer):
-        # Keras names a slot "<variable path with _>_<kind>"; the
-        # optimizer's variables correspond to ours by position.
-        names = {v.name: v for v in optimizer.variables}
-        built_on = compat.optimizer_built_variables(optimizer)
-        if [tuple(v.shape) for v in built_on] != [
-                tuple(v.shape) for v in self._variables]:
-            raise ValueError(
-                f"`optimizer` ({type(optimizer).__name__}) is built on "
-                f"{len(built_on)} variables of other shapes than the "
-                f"{len(self._variables)} sharded ones; build it with "
-                "optimizer.build(model.trainable_variables).")
-        out = []
-        for kind in self._kinds():
-            try:
-                out.append([names[f"{v.path.replace('/', '_')}_{kind}"]
-                            for v in built_on])
-            except KeyError as e:
-                raise ValueError(
-                    f"`optimizer` ({type(optimizer).__name__}) has no slot "
-                    f"{e} : build it on the same variables as the sharded "
-                    "one (optimizer.build(model.trainable_variables)).") from e
-        return out
-
-    def gathered_slots(self):
-        """Each slot kind as the full flat vector, gathered from all shards
-        (call in cross-replica context; collective under multi-worker)."""
-        if self._gather is None:
-            @tf.function
-            def gather():
-                def replica():
-                    context = tf.distribute.get_replica_context()
-                    local, _ = self._local(context)
-                    index = self._first_index() + local
-                    return [self._all_gather(context, slot.value, index)
-                            for slot in self._local_slots(local)]
-                return self._strategy.run(replica)
-            self._gather = gather
-        per_replica = self._gather()
-        return [self._strategy.experimental_local_results(p)[0]
-                for p in per_replica]
-
-    def assign_to(self, optimizer):
-        """Writes the sharded state into `optimizer` (the same class, built on
-        the model's variables), the unsharded form a checkpoint saves."""
-        optimizer = inner(optimizer)
-        full = self._full_slots(optimizer)
-        flats = self.gathered_slots()
-        for kind, flat in zip(full, flats):
-            for slot, value in zip(kind, self.layout.unflatten(flat)):
-                slot.assign(value)
-        for mine, theirs in zip(self._scalars(self.optimizers[0]),
-                                self._scalars(optimizer)):
-            theirs.assign(mine.value)
-
-    def load_from(self, optimizer):
-        """Reads the state of `optimizer` (unsharded, built on the model's
-        variables; e.g. restored from a checkpoint) into the shards."""
-        optimizer = inner(optimizer)
-        full = self._full_slots(optimizer)
-        flats = [self.layout.flatten([s.value for s in kind]) for kind in full]
-        scalars = [v.value for v in self._scalars(optimizer)]
-        for local, opt in enumerate(self.optimizers):
-            index = self._first_index() + local
-            for slot, flat in zip(self._local_slots(local), flats):
-                slot.assign(self.layout.shard(flat, index))
-            for mine, value in zip(self._scalars(opt), scalars):
-                mine.assign(value)
+        return next_counter, next_scale
 
     def _first_index(self):
         # The global replica id of this worker's first replica.
@@ -488,57 +357,6 @@ class ShardedOptimizer:
     def state_bytes_per_device(self):
         """Bytes of optimizer state (slots and scalars) on each device, read
         from where the shard optimizers' variables were placed."""
-        return state_bytes_per_device(
+        return optimizer_memory.state_bytes_per_device(
             self._strategy, [v for opt in self.optimizers
                              for v in opt.variables])
-
-
-def state_bytes_per_device(strategy, variables) -> dict:
-    """Bytes of `variables` by the device each copy lives on: a mirrored
-    variable counts once on every replica's device, a plain one on its own.
-
-    Args:
-      strategy: the strategy of any distributed variables among them.
-      variables: Keras or TensorFlow variables (an optimizer's `variables`).
-    """
-    out = {}
-    for variable in variables:
-        variable = _tf_variable(variable)
-        copies = (strategy.experimental_local_results(variable)
-                  if isinstance(variable, tf.distribute.DistributedValues)
-                  else [variable])
-        for copy in copies:
-            size = int(np.prod(copy.shape)) * tf.as_dtype(copy.dtype).size
-            out[copy.device] = out.get(copy.device, 0) + size
-    return out
-
-
-def state_bytes(strategy, optimizer, sharding=None) -> tuple[dict, int]:
-    """The bytes of `optimizer`'s state the replicas' devices hold, by
-    device, and those of its host copy, read from where the variables live.
-
-    Unsharded, every variable counts on the device(s) it lives on (a
-    mirrored one on each replica's) and the host copy is 0. With
-    `sharding` (the ShardedOptimizer applying `optimizer`'s updates), the
-    devices hold the shards and `optimizer`'s mirrored scalars; its plain
-    (host) variables are the unsharded checkpoint form, once per worker.
-
-    Args:
-      strategy: the strategy of the run.
-      optimizer: the Keras optimizer the run was given (its `variables`).
-      sharding: the `ShardedOptimizer`, or None.
-
-    Returns:
-      ({device: bytes}, host bytes).
-    """
-    variables = list(optimizer.variables)
-    if sharding is None:
-        return state_bytes_per_device(strategy, variables), 0
-    mirrored = [v for v in variables if isinstance(
-        _tf_variable(v), tf.distribute.DistributedValues)]
-    host = [v for v in variables if not isinstance(
-        _tf_variable(v), tf.distribute.DistributedValues)]
-    per_device = state_bytes_per_device(
-        strategy, mirrored + [v for opt in sharding.optimizers
-                              for v in opt.variables])
-    return per_device, sum(state_bytes_per_device(strategy, host).values())

@@ -55,6 +55,43 @@ def restore(checkpointer, strategy, *, collective=True, after=None):
     return position
 
 
+def restore_runner(runner, model_dir, strategy, *, batch: int,
+                   batches_per_step: int, say=None):
+    """The Trainer's restore from `model_dir` through its `runner` (what
+    it checkpoints, how it redoes the data position), refusing another
+    global batch; `say(line)` reports it.
+
+    Returns:
+      (the `checkpoints.Checkpointer`, the restored Position or None).
+    """
+    checkpointer = checkpoints_lib.Checkpointer(
+        model_dir, strategy, optional=runner.optional,
+        worker_state=runner.worker_state(), before_save=runner.before_save,
+        **runner.trackables())
+
+    def after(restored):
+        if restored.global_batch_size not in (None, batch):
+            raise ValueError(
+                f"`model_dir` {model_dir!r} was trained with global "
+                f"batch {restored.global_batch_size}, and this run's is "
+                f"{batch}. Resume with `global_batch_size`="
+                f"{restored.global_batch_size} (the per-replica batch is "
+                "recomputed for the replicas you have), or use a new "
+                "`model_dir`.")
+        runner.restored(restored, batch=batch, missing=checkpointer.missing)
+
+    restored = restore(checkpointer, strategy, after=after,
+                       collective=runner.collective)
+    if restored is not None and say is not None:
+        say(restored_line(
+            checkpointer, restored,
+            position(strategy, restored.step, batch, batches_per_step),
+            at=f" at step {restored.step}", elastic_note=(
+                "; the learning-rate schedule continues at step "
+                f"{restored.step}")))
+    return checkpointer, restored
+
+
 def restored_line(checkpointer, position, now, *, at: str = "",
                   elastic_note: str = "") -> str:
     """"restored PATH[at]" and, on an elastic resume, what changed from

@@ -133,7 +133,8 @@ class TrainStep:
       jit_compile: compile each replica's forward and backward with XLA
         (the all-reduce and the update stay outside; see `xla.py`).
       sharding: an `optimizer_sharding.ShardedOptimizer` that applies the
-        reduced, clipped gradients in place of `optimizer` (ZeRO-1).
+        reduced, clipped gradients in place of `optimizer` (ZeRO-1), or at
+        its stage 2 reduce-scatters and applies its shard.
       timer: a `replica_timing.ReplicaTimer` that sums each replica's
         forward and backward seconds (load balancing), or None.
     """
@@ -237,6 +238,13 @@ class TrainStep:
             # Ordered after the reads above by automatic control deps.
             for acc in self._accumulators:
                 acc.assign(tf.zeros_like(acc))
+        if self._sharding is not None and self._sharding.stage == 2:
+            # ZeRO-2: each replica gets (and clips, by the norm summed over
+            # the shards) only its shard of the reduced gradient.
+            self._sharding.apply_shard(
+                self.reducer.reduce_scatter(grads, self._sharding),
+                clip_norm=self._options.clip_global_norm)
+            return loss + loss_so_far
         grads = gradients_lib.clip_scaled(self.reducer.reduce(grads),
                                           self._optimizer,
                                           self._options.clip_global_norm)

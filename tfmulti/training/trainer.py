@@ -17,11 +17,10 @@ from tfmulti import parameter_server, peer_failure, strategies
 from tfmulti.training import actions as actions_lib
 from tfmulti.training import agreement
 from tfmulti.training import async_trainer, balancing
-from tfmulti.training import checkpoints as checkpoints_lib
 from tfmulti.training import controller as controller_lib
 from tfmulti.training import history as history_lib
 from tfmulti.training import gradients as gradients_lib
-from tfmulti.training import numerics, optimizer_sharding, preemption
+from tfmulti.training import numerics, preemption, shard_placement
 from tfmulti.training import reducers, resume
 from tfmulti.training import runner as runner_lib
 from tfmulti.training import step as step_lib
@@ -72,13 +71,14 @@ class Trainer:
         global batch follows its measured speed, updated between loops) or
         a list of weights, one per replica or per worker (fixed shares);
         the updates are those of the even split (`tfmulti.balance`).
-      shard_optimizer_state: ZeRO stage 1 over a MirroredStrategy's
-        replicas: each replica keeps the optimizer state of 1/N of the
-        parameters (`optimizer_sharding`), with the updates of the
-        unsharded optimizer; checkpoints stay in the unsharded form (kept
-        in host memory, once per worker), so a run resumes sharded or not
-        on any number of replicas. Pass an unbuilt, element-wise Keras
-        optimizer (SGD, Adam, AdamW, RMSprop, ...).
+      shard_optimizer_state: the ZeRO stage over a MirroredStrategy's
+        replicas (`optimizer_sharding`): True or 1, each replica keeps the
+        optimizer state of 1/N of the parameters; 2, also only its 1/N of
+        the reduced gradient (reduce-scattered, not all-reduced). The
+        updates are the unsharded optimizer's; checkpoints stay unsharded
+        (kept in host memory, once per worker), so a run resumes sharded
+        or not on any number of replicas. Pass an unbuilt, element-wise
+        Keras optimizer (SGD, Adam, AdamW, RMSprop, ...).
     """
 
     def __init__(self, model, optimizer=None, *, loss=None, strategy=None,
@@ -130,7 +130,7 @@ class Trainer:
         optimizer = numerics.guarded_optimizer(
             optimizer, model.trainable_variables, strategy=self.strategy,
             mixed_precision=self.mixed_precision, on_nonfinite=on_nonfinite,
-            build_scope=optimizer_sharding.host_variables(self.strategy)
+            build_scope=shard_placement.host_variables(self.strategy)
             if sharded else None)
         with self.strategy.scope():
             self.metrics = [args_lib.resolve_metric(m, self.strategy)
@@ -193,34 +193,12 @@ class Trainer:
                                loss_finite=loss_finite)
 
     def _restore(self, batch, verbose):
-        runner = self.runner
-        checkpointer = checkpoints_lib.Checkpointer(
-            self.model_dir, self.strategy, optional=runner.optional,
-            worker_state=runner.worker_state(),
-            before_save=runner.before_save, **runner.trackables())
-
-        def after(position):
-            if position.global_batch_size not in (None, batch):
-                raise ValueError(
-                    f"`model_dir` {self.model_dir!r} was trained with global "
-                    f"batch {position.global_batch_size}, and this run's is "
-                    f"{batch}. Resume with `global_batch_size`="
-                    f"{position.global_batch_size} (the per-replica batch is "
-                    "recomputed for the replicas you have), or use a new "
-                    "`model_dir`.")
-            runner.restored(position, batch=batch,
-                            missing=checkpointer.missing)
-
-        position = resume.restore(checkpointer, self.strategy, after=after,
-                                  collective=runner.collective)
+        checkpointer, position = resume.restore_runner(
+            self.runner, self.model_dir, self.strategy, batch=batch,
+            batches_per_step=self._options.grad_accum_steps,
+            say=self._print if verbose else None)
         if position is not None:
             self._steps_done = position.step
-            if verbose:
-                self._print(resume.restored_line(
-                    checkpointer, position, self._position(self.step, batch),
-                    at=f" at step {self.step}", elastic_note=(
-                        "; the learning-rate schedule continues at step "
-                        f"{self.step}")))
         return checkpointer
 
     @peer_failure.translating

@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmulti import compat, parameter_server, strategies
+from tfmulti import compat, parameter_server, strategies, zero_stage
 from tfmulti.data import finiteness
 from tfmulti.training import optimizer_sharding
 
@@ -113,42 +113,39 @@ def check_reduction(sync, compression, *, asynchronous: bool):
 
 
 def check_sharding(shard_optimizer_state, *, strategy, optimizer,
-                   pipelined: bool, sync, compression) -> bool:
-    """`shard_optimizer_state`: refuses, before anything runs, what a
-    sharded update cannot do."""
-    value = shard_optimizer_state
-    if not isinstance(value, bool):
-        raise ValueError(f"`shard_optimizer_state` should be True or False, "
-                         f"got {value!r}.")
-    if not value:
-        return False
+                   pipelined: bool, sync, compression) -> int:
+    """`shard_optimizer_state`: the ZeRO stage (0, 1 or 2; True is 1), after
+    refusing, before anything runs, what a sharded update cannot do."""
+    stage = zero_stage.parse(shard_optimizer_state)
+    if not stage:
+        return 0
     fix = "Pass shard_optimizer_state=False"
     if pipelined:
         raise ValueError(
-            "`shard_optimizer_state`=True is not supported for a pipelined "
-            "model: each pipeline stage already holds only its own layers' "
+            f"`shard_optimizer_state`={stage} is not supported for a "
+            "pipelined model: each pipeline stage already holds only its own layers' "
             f"optimizer state. {fix}.")
     if parameter_server.is_parameter_server(strategy):
         raise ValueError(
-            "`shard_optimizer_state`=True needs synchronous replicas, but the "
-            "strategy is ParameterServerStrategy: the parameter servers "
+            f"`shard_optimizer_state`={stage} needs synchronous replicas, "
+            "but the strategy is ParameterServerStrategy: the parameter servers "
             f"already hold the only copy of the optimizer state. {fix}.")
     if sync is not None:
         raise ValueError(
-            f"`shard_optimizer_state`=True with `sync`={sync!r}: between "
+            f"`shard_optimizer_state`={stage} with `sync`={sync!r}: between "
             "synchronisations every worker keeps its own weights and "
             "optimizer state, while a sharded update writes the same "
             f"gathered weights on every replica. {fix}, or sync=None.")
     if compression is not None:
         raise ValueError(
-            f"`shard_optimizer_state`=True with `compression`="
+            f"`shard_optimizer_state`={stage} with `compression`="
             f"{compression!r}: PowerSGD's dense warm-up puts the update "
             "under a tf.cond, which cannot hold the sharded update's "
             f"all-gather. {fix}, or compression=None.")
     if not isinstance(strategy, (tf.distribute.MirroredStrategy,
                                  tf.distribute.MultiWorkerMirroredStrategy)):
         raise ValueError(
-            f"`shard_optimizer_state`=True shards over the replicas of a "
+            f"`shard_optimizer_state`={stage} shards over the replicas of a "
             f"MirroredStrategy or MultiWorkerMirroredStrategy; the strategy "
             f"is {type(strategy).__name__}. Use tfmulti.create_strategy("
             "'mirrored') or 'multi_worker', or pass "
@@ -158,10 +155,10 @@ def check_sharding(shard_optimizer_state, *, strategy, optimizer,
         raise ValueError(
             f"`optimizer` ({type(optimizer).__name__}) is already built, so "
             "its slots are mirrored on every replica, the memory "
-            "`shard_optimizer_state`=True is there to save. Pass an unbuilt "
+            "`shard_optimizer_state` is there to save. Pass an unbuilt "
             "optimizer (created under the strategy's scope): the Trainer "
             "builds it.")
-    return True
+    return stage
 
 
 def check_fit(*, steps, global_batch_size, eval_every, eval_data,
