@@ -128,3 +128,35 @@ def test_balance_errors_name_the_argument():
     history = model.fit(rows.batch(4, drop_remainder=True).repeat(),
                         steps_per_epoch=3, verbose=0)
     assert history.history["share_0"] == [1.0]
+
+
+def test_balanced_fit_continues_its_stream_across_fit_calls():
+    """As without balance (fit_input.py): the same endless `x` again
+    continues the kept iterator, so fit twice = fit with epochs=2."""
+    import keras
+    import tensorflow as tf
+
+    import tfmulti
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    rows = tf.data.Dataset.from_tensor_slices((
+        tf.reshape(tf.range(64, dtype=tf.float32), [32, 2]),
+        tf.reshape(tf.range(32, dtype=tf.float32), [32, 1]))).batch(
+            4, drop_remainder=True).repeat()
+
+    def model():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            m.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse",
+                      steps_per_execution=2)
+        return tfmulti.keras.distributed(m, balance="auto")
+
+    twice, once = model(), model()
+    for _ in range(2):
+        twice.fit(rows, steps_per_epoch=3, verbose=0)
+    once.fit(rows, epochs=2, steps_per_epoch=3, verbose=0)
+    for a, b in zip(twice.get_weights(), once.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # 3 steps at 2 per call: calls of 2 and 1 per epoch, all recorded.
+    history = tfmulti.keras.fit_state.balance_of(twice).history
+    assert [h["step"] for h in history] == [2, 3, 5, 6]
