@@ -81,6 +81,16 @@ def test_sharded_trainer_matches_unsharded_and_one_device(golden, name):
 
 
 @pytest.mark.slow
+def test_stage2_all_reduce_and_slice_fallback_matches(golden):
+    # Where a strategy has no collective launchers, stage 2 all-reduces
+    # and slices: the same updates.
+    run = golden["adam"]["sharded2_slice"]
+    assert run["path"] == "all-reduce+slice"
+    assert_matches(run, golden["adam"]["one_device"])
+    assert run["iterations"] == STEPS
+
+
+@pytest.mark.slow
 def test_sharded_mixed_float16_skips_as_unsharded(golden):
     # The loss scale is decided on the reduced gradient (stage 2: on the
     # all-reduced count of non-finite elements of the shards): the sharded

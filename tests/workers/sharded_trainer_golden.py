@@ -25,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tfmulti  # noqa: E402
 from tfmulti import strategies  # noqa: E402
+from tfmulti.training import reduce_scatter  # noqa: E402
 
 from layouts import golden_layouts  # noqa: E402
 
@@ -111,13 +112,19 @@ def result(t, history):
             "step": t.step}
 
 
-def run(strategy, name, *, sharded, golden):
+def run(strategy, name, *, sharded, golden, path=None):
     make_optimizer, kwargs = CASES[name]
     # One device takes the K micro-batches as one batch of K*B.
     k = 1 if golden else ACCUM
     if golden:
         kwargs = {k: v for k, v in kwargs.items() if k != "allreduce_dtype"}
     t = trainer(strategy, make_optimizer, sharded=sharded, k=k, **kwargs)
+    if path is not None:
+        # Forced before the first fit traces the step: the fallback taken
+        # where a strategy has no collective launchers.
+        sharding = t.runner.sharding
+        sharding.reduce_scatter = reduce_scatter.ReduceScatter(
+            strategy, sharding.layout, path=path)
     history = t.fit(data(BATCH * ACCUM // k), steps=STEPS, verbose=0)
     out = result(t, history)
     if sharded:
@@ -181,6 +188,12 @@ def main(out, workdir, names):
             gc.freeze()
             case[label] = run(layouts[layout], name, sharded=sharded,
                               golden=layout == "one_device")
+        if name == "adam":
+            gc.collect()
+            gc.freeze()
+            case["sharded2_slice"] = run(
+                layouts["mirrored4"], name, sharded=2, golden=False,
+                path=reduce_scatter.ALL_REDUCE_SLICE)
         results[name] = case
     if "adam" in names:
         gc.collect()

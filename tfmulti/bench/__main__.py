@@ -57,7 +57,7 @@ MODES = {
         # An input-bound job with 0, 1 and 2 data workers, alternating.
         "data_service": {"replicas": 2, "steps": 40, "rounds": 5,
                          "global_batch_size": 64},
-        "sharding": {"replicas": (2, 4), "steps": 50, "rounds": 7,
+        "sharding": {"replicas": (2, 4), "steps": 50, "rounds": 12,
                      "width": 512, "global_batch_size": 64},
     },
     "quick": {

@@ -93,8 +93,8 @@ def measure(*, replicas: int, steps: int, rounds: int, width: int,
                      "wire_bytes_per_step": wire_bytes(
                          stage, replicas=replicas, params=layout.total,
                          padded=layout.padded),
-                     "path": sharding and sharding.reduce_scatter and (
-                         sharding.reduce_scatter.path),
+                     "path": (sharding.reduce_scatter.path if stage == 2
+                              else "all-reduce+slice" if stage else None),
                      "seconds_per_step": []}
     for _ in range(rounds):
         for name, trainer in trainers.items():
