@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -141,3 +142,13 @@ def run_workers(args, num_workers, *, timeout=300, env=None, check=True,
             if rc != 0:
                 raise AssertionError(f"worker {i} exited {rc}:\n{out[-4000:]}")
     return results
+
+
+def worker_json(args, num_workers, out_dir, *, timeout=300):
+    """`run_workers` of `python ARGS OUT_DIR/worker{index}.json`, each worker
+    writing its results there; returns them parsed, in worker order."""
+    out = pathlib.Path(out_dir)
+    run_workers([*args, str(out / "worker{index}.json")], num_workers,
+                timeout=timeout)
+    return [json.loads((out / f"worker{i}.json").read_text())
+            for i in range(num_workers)]

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.subproc import run_python, run_workers
+from tests.subproc import run_python, worker_json
 from tfmulti import balance
 
 # Float32 sums in another order: measured at most 2.4e-7 (losses) and
@@ -151,10 +151,8 @@ def test_multi_worker_balanced_equals_even_split(tmp_path):
     # load 25). The even split of the balanced path equals one device in
     # test_mirrored_balanced_equals_even_and_one_device; the standard
     # 2-worker path equals one device in test_trainer_golden.
-    run_workers(["tests/workers/balance_golden.py", "multi_worker",
-                 str(tmp_path / "worker{index}.json")], 2, timeout=540)
-    workers = [json.loads((tmp_path / f"worker{i}.json").read_text())
-               for i in range(2)]
+    workers = worker_json(["tests/workers/balance_golden.py",
+                           "multi_worker"], 2, tmp_path, timeout=540)
     for worker in workers:
         even = worker["multi_worker:[1, 1]"]
         for layout in ("multi_worker:[3, 1]", "multi_worker:auto"):

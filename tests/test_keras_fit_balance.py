@@ -5,7 +5,9 @@ One subprocess with 4 simulated CPU devices trains each case (Adam, Keras's
 global_clipnorm acting on the reduced gradient, 4-step accumulation, mixed
 float16) for 20 steps (2 epochs of 10, 5 per call, validation each epoch):
 plain Keras `fit` on one device, and `distributed` on 2 replicas with
-balance None, [3, 1] and "auto", and on 4 with [3, 1, 1, 1].
+balance None, [3, 1] and "auto", and on 4 with [3, 1, 1, 1]. Two worker
+processes (one replica each) train the float32 cases with balance None,
+[3, 1] and "auto", then each plain Keras on its own CPU.
 """
 
 import json
@@ -13,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.subproc import run_python
+from tests.subproc import run_python, worker_json
 
 # Float32 sums in another order: measured at most 2.4e-7 (losses) and
 # 6e-8 (weights) between any two layouts over 20 steps.
@@ -77,6 +79,32 @@ def test_balanced_fit_reports_shares_per_call(local):
     assert local["mirrored2:None"]["adam"]["calls"] == [{}] * 4
 
 
+@pytest.mark.slow
+def test_two_workers_balanced_fit_equals_even_split_and_one_device(tmp_path):
+    workers = worker_json(["tests/workers/keras_fit_balance.py",
+                           "multi_worker"], 2, tmp_path, timeout=540)
+    for worker in workers:
+        for layout in ("multi_worker:None", "multi_worker:[3, 1]",
+                       "multi_worker:auto"):
+            for case, run in worker[layout].items():
+                assert run["traces"] == 1
+                assert_same(run, worker["one_device:None"][case], TOLERANCE)
+                assert_same(run, worker["multi_worker:None"][case],
+                            TOLERANCE)
+    for layout in ("multi_worker:[3, 1]", "multi_worker:auto"):
+        # Both workers hold the same weights and saw the same shares.
+        for case in workers[0][layout]:
+            assert workers[0][layout][case]["weights"] == (
+                workers[1][layout][case]["weights"])
+        assert _shares(workers[0], layout) == _shares(workers[1], layout)
+    assert _shares(workers[0], "multi_worker:[3, 1]") == [[0.75, 0.25]] * 4
+
+
+def _shares(worker, layout):
+    return [[call[f"share_{r}"] for r in range(2)]
+            for call in worker[layout]["adam"]["calls"]]
+
+
 def test_balance_errors_name_the_argument():
     import keras
     import tensorflow as tf
@@ -100,3 +128,35 @@ def test_balance_errors_name_the_argument():
     history = model.fit(rows.batch(4, drop_remainder=True).repeat(),
                         steps_per_epoch=3, verbose=0)
     assert history.history["share_0"] == [1.0]
+
+
+def test_balanced_fit_continues_its_stream_across_fit_calls():
+    """As without balance (fit_input.py): the same endless `x` again
+    continues the kept iterator, so fit twice = fit with epochs=2."""
+    import keras
+    import tensorflow as tf
+
+    import tfmulti
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    rows = tf.data.Dataset.from_tensor_slices((
+        tf.reshape(tf.range(64, dtype=tf.float32), [32, 2]),
+        tf.reshape(tf.range(32, dtype=tf.float32), [32, 1]))).batch(
+            4, drop_remainder=True).repeat()
+
+    def model():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            m.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse",
+                      steps_per_execution=2)
+        return tfmulti.keras.distributed(m, balance="auto")
+
+    twice, once = model(), model()
+    for _ in range(2):
+        twice.fit(rows, steps_per_epoch=3, verbose=0)
+    once.fit(rows, epochs=2, steps_per_epoch=3, verbose=0)
+    for a, b in zip(twice.get_weights(), once.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # 3 steps at 2 per call: calls of 2 and 1 per epoch, all recorded.
+    history = tfmulti.keras.fit_state.balance_of(twice).history
+    assert [h["step"] for h in history] == [2, 3, 5, 6]

@@ -271,12 +271,6 @@ def train_and_evaluate(config: ExperimentConfig, *, loop: str = "fit",
                 compression=compression,
                 shard_optimizer_state=config.shard_optimizer_state,
                 balance=balance_lib.from_flag(config.balance))
-            if config.balance:
-                # `fit` cuts each global batch of train_fn by the shares.
-                from tfmulti.data import balanced
-                train = balanced.global_batches(
-                    train, global_batch_size=config.global_batch_size,
-                    seed=config.seed)
             epochs = max(1, -(-total_steps // steps_per_epoch))
             # The final backup stays: a later --resume with a larger
             # --steps/--epochs continues from it.
@@ -358,9 +352,12 @@ def input_data(config: ExperimentConfig, strategy):
         strategy, test_fn, global_batch_size=config.global_batch_size,
         training=False, service=config.data_service)
     if config.balance:
-        # The Trainer (or `fit`) cuts each global batch of train_fn by the
-        # shares.
-        return info, train_fn, test
+        # The Trainer (or `fit`) cuts each of these global batches by the
+        # shares: the same seeded stream on every worker, in both loops.
+        from tfmulti.data import balanced
+        return info, balanced.global_batches(
+            train_fn, global_batch_size=config.global_batch_size,
+            seed=config.seed), test
     train = data.distribute_dataset(
         strategy, train_fn, global_batch_size=config.global_batch_size,
         seed=config.seed, service=config.data_service)
