@@ -228,7 +228,12 @@ def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
     assert len(result["ids"]) == 1200 and max(counts.values()) <= 4
     assert set(counts) == set(range(400))
     lost = sum(loss["lost"] for loss in result["losses"])
-    assert 0 < lost < 100, result["losses"]
+    assert lost < 100, result["losses"]
+    if not lost:
+        # The kill found d1 with nothing in flight (seen once under load,
+        # the full suite beside it): then nothing may be missing either,
+        # every epoch whole.
+        assert set(counts.values()) == {3}, counts
     assert all(loss["delivered"] + loss["lost"] == loss["expected"] == 400
                for loss in result["losses"])
 
