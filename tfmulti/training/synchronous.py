@@ -74,7 +74,7 @@ class SynchronousRunner(runner_lib.Runner):
                 not skips) else None
         # Only where updates can be skipped is the count of applied ones
         # news (a loop that skipped every update); elsewhere its two host
-        # reads per loop cost 0.12-0.17 ms each, 3% of a 32-step loop of
+        # reads per loop cost 0.12-0.17 ms each, 3-6% of a 32-step loop of
         # a small model at N=1.
         self.counts_updates = skips
         # The model's output in evaluation (None: the model, inference).
