@@ -77,25 +77,25 @@ def create_train_loop(step_fn, *, strategy, metrics=(), before=(),
             metric.reset_state()
         for fn in before:
             fn()
-        if read is not None:
+        if read is None:
+            # One array per local replica, written on that replica's
+            # device: no cross-device copy per step, one sum after the loop.
+            values = [tf.TensorArray(tf.float32, size=num_steps)
+                      for _ in range(num_local)]
+            for i in tf.range(num_steps):
+                local = strategy.experimental_local_results(step_fn(iterator))
+                values = [array.write(i, tf.cast(value, tf.float32))
+                          for array, value in zip(values, local)]
+            losses = sum_over_replicas(strategy, tf.add_n(
+                [array.stack() for array in values]))
+        else:
             for _ in tf.range(num_steps):
                 step_fn(iterator)
-            replica_statistics.average(strategy,
-                                       getattr(step_fn, "model", None))
-            return read()
-        # One array per local replica, written on that replica's device: no
-        # cross-device copy per step, one sum after the loop.
-        values = [tf.TensorArray(tf.float32, size=num_steps)
-                  for _ in range(num_local)]
-        for i in tf.range(num_steps):
-            local = strategy.experimental_local_results(step_fn(iterator))
-            values = [array.write(i, tf.cast(value, tf.float32))
-                      for array, value in zip(values, local)]
-        losses = sum_over_replicas(strategy, tf.add_n(
-            [array.stack() for array in values]))
         # Evaluation, get_weights and checkpoints then see one value of
         # BatchNorm's moving statistics, not replica 0's or each replica's.
         replica_statistics.average(strategy, getattr(step_fn, "model", None))
+        if read is not None:
+            return read()
         if not metrics:
             return losses
         return losses, {m.name: m.result() for m in metrics}
