@@ -7,7 +7,8 @@ float16) for 20 steps (2 epochs of 10, 5 per call, validation each epoch):
 plain Keras `fit` on one device, and `distributed` on 2 replicas with
 balance None, [3, 1] and "auto", and on 4 with [3, 1, 1, 1]. Two worker
 processes (one replica each) train the float32 cases with balance None,
-[3, 1] and "auto", then each plain Keras on its own CPU.
+[3, 1] and "auto", then each plain Keras on its own CPU. A balanced `fit`
+stopped mid-epoch resumes from its backup to the uninterrupted weights.
 """
 
 import json
@@ -64,6 +65,18 @@ def test_balanced_fit_equals_even_split_and_one_device(local, layout):
                     FLOAT16_TO_ONE_DEVICE if float16 else TOLERANCE)
         assert_same(run, local["mirrored2:None"][case],
                     FLOAT16_TO_EVEN if float16 else TOLERANCE)
+
+
+@pytest.mark.slow
+def test_restarted_balanced_fit_resumes_to_the_uninterrupted_weights(local):
+    # Stopped at epoch 1 batch 5 (16 batches per pass of the data, 10 steps
+    # per epoch): the restarted stream skips to batch 15, where the
+    # uninterrupted run was.
+    run = local["resumed"]
+    assert run["restored"] == [1, 5]
+    assert run["iterations"] == 20
+    for a, b in zip(run["weights"], local["mirrored2:auto"]["adam"]["weights"]):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
 
 
 @pytest.mark.slow

@@ -147,5 +147,45 @@ for layout, strategy in layouts.items():
             gc.freeze()
             results[key][name] = run_case(name, strategy, balance,
                                           golden=layout == "one_device")
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StopAt(keras.callbacks.Callback):
+    """Raises before batch 5 of epoch 1, after the backup taken there."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == (1, SPE):
+            raise Interrupted()
+
+
+def resumed(strategy, backup_dir):
+    """Adam under "auto", stopped mid-epoch and resumed by a new model (a
+    new process's state: a new balanced iterator at the stream's start)."""
+    train = tf.data.Dataset.from_tensor_slices((X, Y)).batch(
+        BATCH, drop_remainder=True).repeat()
+    make_optimizer = CASES["adam"][0]
+    for stop in (True, False):
+        model = tfmulti.keras.distributed(
+            build(strategy, make_optimizer, None, SPE), balance="auto")
+        backup = tfmulti.keras.BackupAndRestore(backup_dir, save_freq=SPE)
+        try:
+            model.fit(train, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                      verbose=0, callbacks=[backup] + [StopAt()] * stop)
+        except Interrupted:
+            continue
+    return {"restored": list(backup.restored),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "weights": [w.tolist() for w in model.get_weights()]}
+
+
+if MODE == "local":
+    results["resumed"] = resumed(layouts["mirrored2"], os.path.join(
+        os.path.dirname(OUT), "backup"))
 with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:
     json.dump(results, f)

@@ -136,6 +136,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                                        self._position(0, 0)), flush=True)
         compat.set_initial_epoch(model, epoch)
         self._epoch = epoch
+        stream = fit_state.stream_of(model)
+        if stream is not None and epoch:
+            # An endless stream runs on across epochs: epoch `epoch` began
+            # `epoch` epochs into it, which a restarted stream must skip
+            # first (Keras itself would read its first batches again).
+            stream.skip_to(epoch * self.params["steps"] *
+                           fit_state.batches_per_step(model))
         if batch:
             self._skipper = _SkipBatches(model, batch)
             model.train_function = self._skipper
@@ -267,6 +274,7 @@ class _SkipBatches:
         # with gradient accumulation reads several.
         per_step = fit_state.batches_per_step(model)
         self.remaining = count * per_step
+        self._stream = fit_state.stream_of(model)
         self._per_call = max(1, int(getattr(model, "steps_per_execution",
                                             1))) * per_step
 
@@ -274,6 +282,8 @@ class _SkipBatches:
         n = min(self._per_call, self.remaining)
         loop_lib.skip_batches(iterator, n)
         self.remaining -= n
+        if self._stream is not None:
+            self._stream.read(iterator, n)
         return {}
 
     def __getattr__(self, name):

@@ -160,6 +160,8 @@ def _make_train_function(model, force=False):
         # running out of data ends Keras's epoch, as in Keras.
         with data_checks.translated(iterator.element_spec, arg="x"):
             logs = train(iterator, lengths[steps])
+        if state.stream is not None:
+            state.stream.read(iterator, steps * state.options.grad_accum_steps)
         return fit_balance.logs_after(state.balance, steps, logs)
 
     model.train_function = train_function
@@ -205,12 +207,15 @@ def _fit(model, *args, **kwargs):
     callbacks = bound.arguments.get("callbacks")
     state = fit_state.of(model)
     x = bound.arguments.get("x")
+    state.stream = None
     if state.balance is not None:
         bound.arguments["x"] = state.balance.dataset_for(
             x, steps_per_epoch=bound.arguments.get("steps_per_epoch"))
+        state.stream = state.balance.position
     elif state.input.reusable(
             x, class_weight=bound.arguments.get("class_weight")):
         bound.arguments["x"] = state.input.dataset_for(x)
+        state.stream = state.input.position
     chunk = _Chunk(state)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(chunk)

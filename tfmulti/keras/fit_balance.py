@@ -30,6 +30,7 @@ class FitBalance:
 
     Attributes:
       balancer: the `balancing.Balancer` (policy, share variable, timer).
+      position: the `fit_input.StreamPosition` of the kept iterator.
     """
 
     def __init__(self, balancer):
@@ -37,6 +38,7 @@ class FitBalance:
         self._source = None
         self._dataset = None
         self._iterator = None
+        self.position = None
         # Steps trained by this model's balanced `fit` calls: the step the
         # shares history records.
         self._step = 0
@@ -74,6 +76,7 @@ class FitBalance:
                 "per epoch> // global_batch_size.")
         if x is not self._source:
             self._iterator = self.balancer.iterator(x)
+            self.position = fit_input_lib.StreamPosition(self.iterator)
             self._source = x
             self._dataset = fit_input_lib.reusing(self._iterator.distributed,
                                                   self)

@@ -13,6 +13,11 @@ batches as `fit(ds, epochs=2)` (as the Trainer does with its iterator).
 Finite datasets are left to Keras: each epoch is one pass, from a fresh
 iterator. The symbolic build's probe batch is read only while something is
 still unbuilt.
+
+A kept iterator counts the batches read from it (`StreamPosition`): after a
+restart, `BackupAndRestore` moves a new one to where the backup's epoch
+began in the stream, so epoch E reads the batches it read in the
+uninterrupted run, not the stream's first ones.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import tensorflow as tf
 
 from tfmulti import compat
+from tfmulti.training import loop as loop_lib
 
 # Dynamic subclasses of each distributed dataset class, by base class.
 _REUSING_CLASSES = {}
@@ -71,12 +77,38 @@ def _is_infinite(dataset) -> bool:
     return int(cardinality) == int(tf.data.INFINITE_CARDINALITY)
 
 
+class StreamPosition:
+    """Batches read so far from one kept endless iterator.
+
+    Attributes:
+      iterator: returns the kept iterator (made on first use).
+      batches: batches the train function (or a skip) has read from it.
+    """
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.batches = 0
+
+    def read(self, iterator, batches: int) -> None:
+        """Counts `batches` read from `iterator`, if it is the kept one."""
+        if iterator is self.iterator():
+            self.batches += batches
+
+    def skip_to(self, batches: int) -> None:
+        """Reads, without training, up to stream position `batches` (a
+        no-op where the stream is already there or past it)."""
+        if batches > self.batches:
+            loop_lib.skip_batches(self.iterator(), batches - self.batches)
+            self.batches = batches
+
+
 class FitInput:
     """The training input of one model's `fit` calls.
 
     Attributes:
       iterators_made: distributed iterators this object has made, probes of
         the symbolic build included (the count tests and benchmarks read).
+      position: the `StreamPosition` of the kept iterator.
     """
 
     def __init__(self, strategy):
@@ -86,6 +118,7 @@ class FitInput:
         self._iterator = None
         self._probing = False
         self.iterators_made = 0
+        self.position = None
 
     def reusable(self, x, *, class_weight=None) -> bool:
         """Whether `fit(x, ...)` can continue from a kept iterator."""
@@ -107,6 +140,7 @@ class FitInput:
                     x)
             self._source = x
             self._iterator = None
+            self.position = StreamPosition(self.iterator)
             self._reusing = reusing(distributed, self)
         return self._reusing
 

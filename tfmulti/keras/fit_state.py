@@ -53,6 +53,9 @@ class DistributedState:
         self.warned_weighting = False
         # A fit_balance.FitBalance under `balance`, else None.
         self.balance = None
+        # The `fit_input.StreamPosition` of the kept endless iterator the
+        # current `fit` reads (set by each `fit`), else None.
+        self.stream = None
 
 
 def of(model) -> DistributedState:
@@ -65,6 +68,14 @@ def batches_per_step(model) -> int:
     `distributed(model, grad_accum_steps=K)`, else 1."""
     state = getattr(model, STATE, None)
     return state.options.grad_accum_steps if state is not None else 1
+
+
+def stream_of(model):
+    """The `fit_input.StreamPosition` of the endless stream a `distributed`
+    model's current `fit` reads from a kept iterator, or None (a finite
+    dataset: Keras starts each epoch afresh; not `distributed`)."""
+    state = getattr(model, STATE, None)
+    return None if state is None else state.stream
 
 
 def reducer_of(model):
