@@ -80,6 +80,17 @@ def test_restarted_balanced_fit_resumes_to_the_uninterrupted_weights(local):
 
 
 @pytest.mark.slow
+def test_balanced_fit_on_a_finite_dataset_equals_one_device(local):
+    run, golden = local["finite"]["mirrored2"], local["finite"]["one_device"]
+    assert run["replicas_equal"] and run["traces"] == 1
+    for key in ("loss", "accuracy", "val_loss"):
+        np.testing.assert_allclose(run[key], golden[key], atol=TOLERANCE)
+    for a, b in zip(run["weights"], golden["weights"]):
+        np.testing.assert_allclose(a, b, atol=TOLERANCE)
+    assert run["iterations"] == golden["iterations"] == 32
+
+
+@pytest.mark.slow
 def test_balanced_fit_reports_shares_per_call(local):
     fixed = local["mirrored4:[3, 1, 1, 1]"]["adam"]["calls"]
     assert len(fixed) == 4
@@ -134,8 +145,15 @@ def test_balance_errors_name_the_argument():
     model = tfmulti.keras.distributed(model, balance="auto")
     rows = tf.data.Dataset.from_tensor_slices((tf.zeros([8, 2]),
                                                tf.zeros([8, 1])))
-    with pytest.raises(ValueError, match="endless stream .* cardinality is 2"):
-        model.fit(rows.batch(4, drop_remainder=True), verbose=0)
+    with pytest.raises(ValueError, match="cardinality 2 and "
+                       "steps_per_epoch=3. Drop steps_per_epoch"):
+        model.fit(rows.batch(4, drop_remainder=True), steps_per_epoch=3,
+                  verbose=0)
+    with pytest.raises(ValueError, match="cardinality -2 .*assert_cardinality"):
+        model.fit(rows.filter(lambda x, y: True).batch(4, drop_remainder=True),
+                  verbose=0)
+    with pytest.raises(ValueError, match="`steps_per_epoch` is None but `x` is an endless"):
+        model.fit(rows.batch(4, drop_remainder=True).repeat(), verbose=0)
     with pytest.raises(ValueError, match="GLOBAL batches; got ndarray"):
         model.fit(np.zeros([8, 2]), np.zeros([8, 1]), verbose=0)
     history = model.fit(rows.batch(4, drop_remainder=True).repeat(),
@@ -173,3 +191,37 @@ def test_balanced_fit_continues_its_stream_across_fit_calls():
     # 3 steps at 2 per call: calls of 2 and 1 per epoch, all recorded.
     history = tfmulti.keras.fit_state.balance_of(twice).history
     assert [h["step"] for h in history] == [2, 3, 5, 6]
+
+
+def test_balanced_fit_on_a_finite_dataset_trains_one_pass_per_epoch():
+    """A finite `x` (no `steps_per_epoch`) trains like plain Keras: each
+    epoch one pass, the same batches, one trace for all epochs."""
+    import keras
+    import tensorflow as tf
+
+    import tfmulti
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    rows = tf.data.Dataset.from_tensor_slices((
+        tf.reshape(tf.range(64, dtype=tf.float32), [32, 2]) / 64,
+        tf.reshape(tf.range(32, dtype=tf.float32), [32, 1]) / 32)).batch(
+            4, drop_remainder=True)
+
+    def model():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      steps_per_execution=3)
+        return m
+
+    plain, balanced = model(), tfmulti.keras.distributed(model(),
+                                                         balance="auto")
+    expected = plain.fit(rows, epochs=3, verbose=0).history["loss"]
+    losses = balanced.fit(rows, epochs=3, verbose=0).history["loss"]
+    np.testing.assert_allclose(losses, expected, atol=1e-6)
+    assert int(balanced.optimizer.iterations) == 24
+    for a, b in zip(balanced.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    # 8 steps at 3 per call: calls of 3, 3 and 2 in each epoch.
+    history = tfmulti.keras.fit_state.balance_of(balanced).history
+    assert [h["step"] for h in history] == [3, 6, 8, 11, 14, 16, 19, 22, 24]

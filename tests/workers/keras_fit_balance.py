@@ -94,7 +94,7 @@ def traces(model):
     return train.traced.experimental_get_tracing_count()
 
 
-def run_case(name, strategy, balance, golden):
+def run_case(name, strategy, balance, golden, finite=False):
     make_optimizer, options, precision = CASES[name]
     k = options.get("grad_accum_steps", 1)
     calls = Calls()
@@ -109,8 +109,9 @@ def run_case(name, strategy, balance, golden):
             balance=balance, **options)
         batch = BATCH
     train = tf.data.Dataset.from_tensor_slices((X, Y)).batch(
-        batch, drop_remainder=True).repeat()
-    history = model.fit(train, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+        batch, drop_remainder=True)
+    history = model.fit(train if finite else train.repeat(), epochs=EPOCHS,
+                        steps_per_epoch=None if finite else STEPS_PER_EPOCH,
                         validation_data=padded_eval_dataset(), verbose=0,
                         callbacks=[calls])
     out = {"loss": history.history["loss"],
@@ -185,6 +186,11 @@ def resumed(strategy, backup_dir):
 
 
 if MODE == "local":
+    # A finite dataset, no steps_per_epoch: one pass (16 steps) per epoch.
+    results["finite"] = {
+        layout: run_case("adam", layouts[layout], balance,
+                         golden=layout == "one_device", finite=True)
+        for layout, balance in (("one_device", None), ("mirrored2", "auto"))}
     results["resumed"] = resumed(layouts["mirrored2"], os.path.join(
         os.path.dirname(OUT), "backup"))
 with open(OUT.format(index=tfmulti.cluster_config().task_index), "w") as f:

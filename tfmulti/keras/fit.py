@@ -209,8 +209,9 @@ def _fit(model, *args, **kwargs):
     x = bound.arguments.get("x")
     state.stream = None
     if state.balance is not None:
-        bound.arguments["x"] = state.balance.dataset_for(
-            x, steps_per_epoch=bound.arguments.get("steps_per_epoch"))
+        bound.arguments["x"], bound.arguments["steps_per_epoch"] = (
+            state.balance.dataset_for(x, steps_per_epoch=bound.arguments.get(
+                "steps_per_epoch")))
         state.stream = state.balance.position
     elif state.input.reusable(
             x, class_weight=bound.arguments.get("class_weight")):

@@ -54,33 +54,47 @@ class FitBalance:
         return list(self.balancer.shares_history)
 
     def dataset_for(self, x, *, steps_per_epoch):
-        """What Keras's `fit` gets in place of `x`: a distributed dataset
-        whose iterator is the kept `BalancedIterator` over `x` (the same
-        one while `fit` is given the same `x`, as `fit_input` does)."""
+        """What Keras's `fit` gets in place of `x`, and the epoch length:
+        a distributed dataset whose iterator is the kept `BalancedIterator`
+        over `x` (the same one while `fit` is given the same `x`, as
+        `fit_input` does), and `steps_per_epoch`.
+
+        An endless `x` needs `steps_per_epoch`. A finite `x` of known length
+        without it is read as `x.repeat()` with epochs of one pass each:
+        the batches of Keras's epochs, from one iterator (a new iterator
+        each epoch would retrace the train function and restart "auto").
+        """
         if not isinstance(x, tf.data.Dataset):
             raise ValueError(
                 "With `balance`, `fit` takes `x` as a tf.data.Dataset of "
                 f"GLOBAL batches; got {type(x).__name__}. A distributed "
                 "dataset is already split evenly and cannot be re-split; "
                 "arrays: pass tf.data.Dataset.from_tensor_slices((x, y))"
-                ".batch(global_batch, drop_remainder=True).repeat().")
-        if int(x.cardinality()) != int(tf.data.INFINITE_CARDINALITY) or (
-                not steps_per_epoch):
-            # One kept iterator cuts every step; a finite stream would need
-            # a new one (and new shares) each epoch.
-            raise ValueError(
-                f"With `balance`, `x` should be an endless stream (its "
-                f"cardinality is {int(x.cardinality())}) and "
-                f"`steps_per_epoch` set (got {steps_per_epoch!r}). Add "
-                ".repeat() to the dataset and pass steps_per_epoch=<examples "
-                "per epoch> // global_batch_size.")
+                ".batch(global_batch, drop_remainder=True).")
+        cardinality = int(x.cardinality())
+        stream = x
+        if cardinality != int(tf.data.INFINITE_CARDINALITY):
+            if steps_per_epoch or cardinality < 1:
+                # Unknown length (a filter), or epochs that do not end
+                # with the data: where Keras's epoch ends is not known here.
+                raise ValueError(
+                    f"With `balance`, `x` should be a dataset of known "
+                    f"length without `steps_per_epoch` (one pass per epoch),"
+                    f" or an endless stream with it; got cardinality "
+                    f"{cardinality} and steps_per_epoch={steps_per_epoch!r}."
+                    " Drop steps_per_epoch, or add .repeat() to the dataset "
+                    "and pass steps_per_epoch=<examples per epoch> // "
+                    "global_batch_size, or .apply(tf.data.experimental."
+                    "assert_cardinality(n)) after a filter.")
+            steps_per_epoch, stream = cardinality, x.repeat()
+        # (An endless `x` without `steps_per_epoch` is refused by `fit`.)
         if x is not self._source:
-            self._iterator = self.balancer.iterator(x)
+            self._iterator = self.balancer.iterator(stream)
             self.position = fit_input_lib.StreamPosition(self.iterator)
             self._source = x
             self._dataset = fit_input_lib.reusing(self._iterator.distributed,
                                                   self)
-        return self._dataset
+        return self._dataset, steps_per_epoch
 
     def iterator(self):
         """The kept iterator (what `iter()` of `dataset_for`'s result is)."""
