@@ -12,7 +12,9 @@ round (`stats.paired_ratio`). The first round of each is warm-up (tracing;
 "auto" finding its shares) and left out.
 
 Reported: steps/s of each and the ratio with its 95% interval; the barrier
-idle fraction per loop; the shares per loop over the whole run; and the
+idle fraction per loop; the fraction of the step outside the slower
+replica's compute (what bounds the efficiency whatever the split); the
+shares per loop over the whole run; and the
 heterogeneous efficiency: achieved examples/s over the sum of each
 worker's examples/s measured ALONE (no collectives, the same model and
 quota, at its last "auto" share), measured after the rounds.
@@ -109,6 +111,7 @@ def worker_main(*, cores, rounds: int, round_steps: int, steps_per_loop: int,
     alone = _Alone(model_fn, x[:global_batch_size], y[:global_batch_size])
     trainers, rates, alone_rates = {}, {"even": [], "auto": []}, []
     idle = {"even": [], "auto": []}
+    outside = {"even": [], "auto": []}
     for name, balance in (("even", [1, 1]), ("auto", "auto")):
         with strategy.scope():
             keras.utils.set_random_seed(0)
@@ -134,6 +137,11 @@ def worker_main(*, cores, rounds: int, round_steps: int, steps_per_loop: int,
             rates[name].append(len(loop_rates) * steps_per_loop / sum(
                 steps_per_loop / v for v in loop_rates))
             idle[name].extend(history["idle_fraction"])
+            # The share of the step no split can shorten: outside the
+            # slower replica's compute (all-reduce, update, input).
+            loops = trainers[name].balance_history[-len(loop_rates):]
+            outside[name].append(1 - rates[name][-1] * statistics.fmean(
+                max(h["seconds_per_step"]) for h in loops))
         if r:
             # In every round, at this worker's current "auto" share: a
             # change of load during the run meets both sides of the
@@ -147,7 +155,8 @@ def worker_main(*, cores, rounds: int, round_steps: int, steps_per_loop: int,
                "idle_fraction": h["idle_fraction"]}
               for h in trainers["auto"].balance_history]
     return {"worker": index, "core": core, "slowdown": slowdown,
-            "rates": rates, "idle": idle, "shares": shares,
+            "rates": rates, "idle": idle, "outside": outside,
+            "shares": shares,
             "even_seconds_per_step": [
                 h["seconds_per_step"] for h in
                 trainers["even"].balance_history],
@@ -178,6 +187,8 @@ def summarize(workers, settings) -> dict:
                                    for w in workers],
         "idle_fraction_even": statistics.fmean(first["idle"]["even"]),
         "idle_fraction_auto": statistics.fmean(first["idle"]["auto"]),
+        "outside_compute_even": statistics.fmean(first["outside"]["even"]),
+        "outside_compute_auto": statistics.fmean(first["outside"]["auto"]),
         "shares": first["shares"],
         "even_seconds_per_step": first["even_seconds_per_step"],
         "wall_seconds": first["wall_seconds"],
@@ -231,6 +242,10 @@ def markdown(result: dict) -> list[str]:
         f"{stats.format_interval(result['intervals']['efficiency_even'])}",
         f"- idle fraction even {result['idle_fraction_even']:.3f} -> auto "
         f"{result['idle_fraction_auto']:.3f}",
+        "- fraction of the step outside the slower replica's compute "
+        "(all-reduce, update, input; no split shortens it): even "
+        f"{result['outside_compute_even']:.2f}, auto "
+        f"{result['outside_compute_auto']:.2f}",
         "- worker 0's share under auto, per loop: " + ", ".join(
             f"{s['shares'][0]:.2f}" for s in shares),
     ]
