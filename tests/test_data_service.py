@@ -215,8 +215,10 @@ def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
         reader.stdin.flush()
         assert reader.wait(timeout=300) == 0
     finally:
-        subprocess.run(["kill", "-9", f"-{reader.pid}"], check=False,
-                       capture_output=True)
+        # Not `kill -9 -PGID`: procps-ng 4.0.2's kill parses "-12345" as
+        # "-1" (strace: kill(-1, SIGKILL)) and killed every process on the
+        # machine whenever the reader's pid began with 1.
+        launch_processes.kill_group(reader)
         data.stop()
         reaper.close()
     assert any("d1 was killed by SIGKILL; starting it again on port" in line
