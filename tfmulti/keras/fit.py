@@ -161,7 +161,8 @@ def _make_train_function(model, force=False):
         with data_checks.translated(iterator.element_spec, arg="x"):
             logs = train(iterator, lengths[steps])
         if state.stream is not None:
-            state.stream.read(iterator, steps * state.options.grad_accum_steps)
+            state.stream.read(iterator,
+                              steps * fit_state.batches_per_step(model))
         return fit_balance.logs_after(state.balance, steps, logs)
 
     model.train_function = train_function
