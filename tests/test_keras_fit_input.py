@@ -134,3 +134,32 @@ def test_restarted_fit_continues_an_endless_stream(tmp_path, accum, per_call,
     assert int(resumed.optimizer.iterations) == 12
     for a, b in zip(resumed.get_weights(), golden.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_fit_continued_from_an_older_backup_skips_no_batch_again(tmp_path):
+    """A `fit` that fails and is called again in the same process, from a
+    backup older than where its stream stands: the stream cannot go back,
+    so it goes on from where it is (the skip reads nothing); it used to
+    skip the backup's batches once more, batches no run trained on."""
+    model = tfmulti.keras.distributed(_model(steps_per_execution=1),
+                                      grad_accum_steps=2)
+    data = _data()
+
+    def fit(*callbacks):
+        model.fit(data, epochs=3, steps_per_epoch=5, verbose=0, callbacks=[
+            BackupAndRestore(tmp_path / "backup", save_freq=2), *callbacks])
+
+    # The backup at epoch 1 batch 2 holds 7 steps; stopped before batch 3,
+    # the stream has given 8 (2 batches each).
+    with pytest.raises(_Interrupted):
+        fit(_StopAt(1, 3))
+    stream = model._tfmulti_fit.input.position
+    assert stream.batches == 8 * 2
+    fit()
+    # Steps 7..14 trained on the stream from where it stood: 8 x 2 more
+    # batches read, none skipped (the old skip: 20 x 2 in all).
+    assert int(model.optimizer.iterations) == 15
+    assert stream.batches == 16 * 2
+    x, _ = next(stream.iterator())
+    np.testing.assert_array_equal(x.numpy(),
+                                  next(iter(_data().skip(32)))[0].numpy())

@@ -144,7 +144,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             stream.skip_to(epoch * self.params["steps"] *
                            fit_state.batches_per_step(model))
         if batch:
-            self._skipper = _SkipBatches(model, batch)
+            self._skipper = _SkipBatches(model, batch, stream_end=(
+                epoch * self.params["steps"] + batch) *
+                fit_state.batches_per_step(model))
             model.train_function = self._skipper
         if self.save_on_preemption:
             self._watcher = preemption.PreemptionWatcher(strategy).__enter__()
@@ -265,25 +267,31 @@ class _SkipBatches:
 
     Each call consumes what one real call would (`steps_per_execution`
     batches) from the iterator without training, with the Trainer's skip
-    (`loop.skip_batches`); other attributes are the real function's.
+    (`loop.skip_batches`); other attributes are the real function's. On a
+    kept endless stream it reads up to the backup's place in the stream
+    (`stream_end`, in batches) instead: a `fit` continued in this process
+    from an older backup finds the stream already past it, and reads
+    nothing more (counting would skip batches no run has trained on).
     """
 
-    def __init__(self, model, count):
+    def __init__(self, model, count, *, stream_end):
         self.function = model.train_function
         # Counted in batches: a step of a tfmulti.keras.distributed model
         # with gradient accumulation reads several.
         per_step = fit_state.batches_per_step(model)
         self.remaining = count * per_step
         self._stream = fit_state.stream_of(model)
+        self._stream_end = stream_end
         self._per_call = max(1, int(getattr(model, "steps_per_execution",
                                             1))) * per_step
 
     def __call__(self, iterator):
         n = min(self._per_call, self.remaining)
-        loop_lib.skip_batches(iterator, n)
         self.remaining -= n
-        if self._stream is not None:
-            self._stream.read(iterator, n)
+        if self._stream is not None and iterator is self._stream.iterator():
+            self._stream.skip_to(self._stream_end - self.remaining)
+        else:
+            loop_lib.skip_batches(iterator, n)
         return {}
 
     def __getattr__(self, name):
