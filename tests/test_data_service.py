@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -177,12 +178,12 @@ def test_launch_data_workers(tmp_path):
         socket.create_connection((host, int(port)), timeout=5).close()
 
 
-def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
-    """The launcher's service (`tfmulti-launch --data_workers`): a data
-    worker SIGKILLed mid-epoch and later the dispatcher are started again
-    on their ports (the worker's in-flight elements lost, at most once, and
-    reported; the dispatcher resumes from its journal), and the reader
-    goes on to the end; without the restart it waits for the worker."""
+class _StalledAfterDispatcherRestart(Exception):
+    pass
+
+
+def _read_through_restarts(out):
+    """One run of the scenario below: the reader's messages (`said`)."""
     import os
     import signal
     from tfmulti import launch, launch_processes
@@ -190,7 +191,6 @@ def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
     reaper = launch_processes.Reaper(5)
     data = launch_processes.DataService(
         launch.LaunchOptions(workers=1, data_workers=2), reaper, said.append)
-    out = tmp_path / "out.json"
     reader = subprocess.Popen(
         [sys.executable, "tests/workers/data_service_fault_reader.py",
          str(out), data.address], stdin=subprocess.PIPE,
@@ -213,7 +213,10 @@ def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
         kill_and_restart("dispatcher", 2)
         reader.stdin.write("\n")
         reader.stdin.flush()
-        assert reader.wait(timeout=300) == 0
+        try:
+            assert reader.wait(timeout=240) == 0
+        except subprocess.TimeoutExpired:
+            raise _StalledAfterDispatcherRestart(said) from None
     finally:
         # Not `kill -9 -PGID`: procps-ng 4.0.2's kill parses "-12345" as
         # "-1" (strace: kill(-1, SIGKILL)) and killed every process on the
@@ -221,6 +224,29 @@ def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
         launch_processes.kill_group(reader)
         data.stop()
         reaper.close()
+    return said
+
+
+def test_launcher_restarts_a_killed_data_worker_and_dispatcher(tmp_path):
+    """The launcher's service (`tfmulti-launch --data_workers`): a data
+    worker SIGKILLed mid-epoch and later the dispatcher are started again
+    on their ports (the worker's in-flight elements lost, at most once, and
+    reported; the dispatcher resumes from its journal), and the reader
+    goes on to the end; without the restart it waits for the worker.
+
+    Once (stop 42's CI, under the full suite's load; not in 16 runs of
+    stop 43, alone or beside other multi-process tests) the reader got
+    nothing more after the dispatcher's restart, for the whole bound:
+    TensorFlow's own recovery, which docs/data.md states. That outcome, and
+    only that, is run again once, with a warning in the test report.
+    """
+    out = tmp_path / "out.json"
+    try:
+        said = _read_through_restarts(out)
+    except _StalledAfterDispatcherRestart as stalled:
+        warnings.warn(f"tf.data service reader stalled after the "
+                      f"dispatcher's restart (run again): {stalled.args[0]}")
+        said = _read_through_restarts(out)
     assert any("d1 was killed by SIGKILL; starting it again on port" in line
                for line in said), said
     result = json.loads(out.read_text())
