@@ -74,6 +74,19 @@ def test_policy_hysteresis_ignores_noise():
     assert policy.counts == [50, 50]
 
 
+def test_policy_hysteresis_is_judged_by_the_step_time():
+    # The bench's slowed worker (stop 43): speeds 1550 and 427 examples/s,
+    # split 770/230 of 1000. The target, 784/216, is 1.4% of the batch
+    # away, but the slow replica's 230 take 6% longer than the balanced
+    # step: past a 2% band, the split moves.
+    policy = balance.SharePolicy(2, 1000, initial=[0.77, 0.23],
+                                 options=balance.PolicyOptions(
+                                     hysteresis=0.02, smoothing=1.0))
+    assert policy.counts == [770, 230]
+    assert policy.update([770 / 1550, 230 / 427], [770, 230])
+    assert policy.counts == [784, 216]
+
+
 def test_policy_is_deterministic_and_keeps_a_floor():
     def run():
         policy = balance.SharePolicy(4, 64, options=balance.PolicyOptions(
