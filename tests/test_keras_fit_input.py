@@ -163,3 +163,32 @@ def test_fit_continued_from_an_older_backup_skips_no_batch_again(tmp_path):
     x, _ = next(stream.iterator())
     np.testing.assert_array_equal(x.numpy(),
                                   next(iter(_data().skip(32)))[0].numpy())
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["keras", "distributed"])
+def test_mid_epoch_resume_on_data_of_unknown_length(tmp_path, wrap):
+    """A finite dataset of unknown length (after a `filter`): Keras's
+    epochs have no `steps`, and a mid-epoch backup still resumes to the
+    uninterrupted weights (stop 43's skip briefly multiplied by that
+    missing length and raised a TypeError)."""
+    def data():
+        return _data(repeat=False).unbatch().filter(
+            lambda x, y: True).batch(8)
+
+    def make():
+        model = _model(steps_per_execution=1)
+        return tfmulti.keras.distributed(model) if wrap else model
+
+    assert int(data().cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    golden = make()
+    golden.fit(data(), epochs=2, verbose=0)
+    backup = tmp_path / "backup"
+    with pytest.raises(_Interrupted):
+        make().fit(data(), epochs=2, verbose=0, callbacks=[
+            BackupAndRestore(backup, save_freq=2), _StopAt(1, 3)])
+    resumed = make()
+    callback = BackupAndRestore(backup, save_freq=2)
+    resumed.fit(data(), epochs=2, verbose=0, callbacks=[callback])
+    assert callback.restored == (1, 2)
+    for a, b in zip(resumed.get_weights(), golden.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)

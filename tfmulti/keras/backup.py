@@ -137,16 +137,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         compat.set_initial_epoch(model, epoch)
         self._epoch = epoch
         stream = fit_state.stream_of(model)
-        if stream is not None and epoch:
-            # An endless stream runs on across epochs: epoch `epoch` began
-            # `epoch` epochs into it, which a restarted stream must skip
-            # first (Keras itself would read its first batches again).
-            stream.skip_to(epoch * self.params["steps"] *
-                           fit_state.batches_per_step(model))
+        stream_end = None
+        if stream is not None:
+            # An endless stream runs on across epochs (steps_per_epoch is
+            # set): epoch `epoch` began `epoch` epochs into it, which a
+            # restarted stream must skip first (Keras itself would read its
+            # first batches again).
+            per_step = fit_state.batches_per_step(model)
+            stream.skip_to(epoch * self.params["steps"] * per_step)
+            stream_end = (epoch * self.params["steps"] + batch) * per_step
         if batch:
-            self._skipper = _SkipBatches(model, batch, stream_end=(
-                epoch * self.params["steps"] + batch) *
-                fit_state.batches_per_step(model))
+            self._skipper = _SkipBatches(model, batch, stream_end=stream_end)
             model.train_function = self._skipper
         if self.save_on_preemption:
             self._watcher = preemption.PreemptionWatcher(strategy).__enter__()
@@ -269,9 +270,10 @@ class _SkipBatches:
     batches) from the iterator without training, with the Trainer's skip
     (`loop.skip_batches`); other attributes are the real function's. On a
     kept endless stream it reads up to the backup's place in the stream
-    (`stream_end`, in batches) instead: a `fit` continued in this process
-    from an older backup finds the stream already past it, and reads
-    nothing more (counting would skip batches no run has trained on).
+    (`stream_end`, in batches; None without one) instead: a `fit` continued
+    in this process from an older backup finds the stream already past it,
+    and reads nothing more (counting would skip batches no run has trained
+    on).
     """
 
     def __init__(self, model, count, *, stream_end):
