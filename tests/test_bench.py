@@ -99,7 +99,11 @@ def test_paired_ratio_interval_and_the_verdict_on_a_goal():
             ("one_pack_float32", [0.30, 0.33, 0.36], 8, "float32"),
             ("pack_4MiB_float32", [0.20, 0.21, 0.22], 8, "float32"),
             ("one_pack_bfloat16", [0.10, 0.11, 0.12], 4, "bfloat16"),
-            ("pack_4MiB_bfloat16", [0.21, 0.20, 0.23], 4, "bfloat16"))}}
+            ("pack_4MiB_bfloat16", [0.21, 0.20, 0.23], 4, "bfloat16"))},
+        # In a whole training step the packs are measurably slower here.
+        "train_step": {"configs": {
+            "one_pack_float32": {"rounds": [0.100, 0.101, 0.102]},
+            "pack_4MiB_float32": {"rounds": [0.110, 0.111, 0.112]}}}}
     found = {g["name"]: g for g in report.goals(
         {"step_overhead": {"mlp": {"2": figures}}, "communication": comm})}
     trainer = found["mlp: Trainer/bare loop at N=2"]
@@ -110,6 +114,9 @@ def test_paired_ratio_interval_and_the_verdict_on_a_goal():
     assert packs["status"] == "met" and packs["value"] > 1.5
     assert found["all-reduce speed-up: bfloat16 over float32 on the wire "
                  "(4 MiB packs; opt-in, lossy)"]["status"] == "not shown"
+    step = found["training-step speed-up: default 4 MiB packs over one pack"]
+    assert step["status"] == "MISSED" and step["value"] == pytest.approx(
+        0.101 / 0.111, rel=1e-3)
 
 
 def test_a_failed_layout_keeps_the_others_and_is_listed(monkeypatch):
@@ -206,6 +213,12 @@ def test_tiny_run_writes_results_json_markdown_and_plots(tmp_path,
         comm["gradient_tensors"])
     assert f32["collectives_per_step"] == 1
     assert all(c["seconds_per_step"] > 0 for c in configs.values())
+    # The default packing timed in a whole training step as well.
+    step = comm["train_step"]
+    assert set(step["configs"]) == {"one_pack_float32", "pack_4MiB_float32"}
+    assert all(c["seconds_per_step"] > 0 and len(c["rounds"]) >= 1
+               for c in step["configs"].values())
+    assert step["compute_only_s"] > 0 and step["layers"] == 4
 
     service = results["data_service"]
     assert [service[f]["data_workers"] for f in (

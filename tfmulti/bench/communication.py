@@ -8,7 +8,10 @@ gradient does), TensorFlow's default packing (all gradients concatenated into
 one collective), `pack_bytes` chunks, and float32 vs bfloat16/float16 on the
 wire. Per configuration: seconds per all-reduce (median over repeats), bytes
 per step (payload, and what a ring moves per worker) and the collectives in
-the traced graph with their wire dtype.
+the traced graph with their wire dtype. The default packing is judged
+again inside a whole training step (forward, backward, all-reduce, SGD
+update of the MLP those gradients belong to), where packs launched last
+gradient first can overlap the backward pass.
 
     python -m tfmulti.bench   # runs it on 2 local worker processes
 """
@@ -95,6 +98,11 @@ DEFAULT_CONFIGS = (
 )
 # What every other configuration's time is judged against (paired ratios).
 BASELINE = "one_pack_float32"
+# Timed inside a whole training step too: the default packing
+# (`strategies.DEFAULT_PACK_BYTES`) against TensorFlow's one pack.
+TRAIN_STEP_CONFIGS = ("one_pack_float32", "pack_4MiB_float32")
+# Examples per replica in the timed training step.
+TRAIN_STEP_BATCH = 64
 
 
 def gradient_shapes(params: int) -> list[tuple[int, ...]]:
@@ -131,14 +139,52 @@ def _reduce_fn(strategy, shapes, config):
             tf.float32)
         grads = [tf.fill(shape, replica + tf.cast(step, tf.float32))
                  for shape in shapes]
-        if config.per_tensor:
-            reduced = [gradients_lib.all_reduce_sum(
-                [g], options=options, dtype=config.dtype)[0] for g in grads]
-        else:
-            reduced = gradients_lib.all_reduce_sum(
-                grads, options=options, dtype=config.dtype)
+        reduced = _reduced(grads, options, config)
         return tf.add_n([r[0] if r.shape.rank == 1 else r[0, 0]
                          for r in reduced])
+
+    return _loop(strategy, replica_fn)
+
+
+def _reduced(grads, options, config):
+    if config.per_tensor:
+        return [gradients_lib.all_reduce_sum(
+            [g], options=options, dtype=config.dtype)[0] for g in grads]
+    return gradients_lib.all_reduce_sum(grads, options=options,
+                                        dtype=config.dtype)
+
+
+def _train_step_fn(strategy, shapes, config, *, batch=TRAIN_STEP_BATCH):
+    """`loop(num_steps)`: training steps of the MLP whose gradients
+    `gradient_shapes` describes (Keras dense layers, SGD), each reducing
+    its gradients with `config` (None: not at all) and applying them as the
+    Trainer does (one explicit reduction, none in the optimizer)."""
+    import keras
+
+    width = shapes[0][0]
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((width,))] +
+            [keras.layers.Dense(width, activation="relu")
+             for _ in range(len(shapes) // 2)])
+        optimizer = keras.optimizers.SGD(1e-6)
+        optimizer.build(model.trainable_variables)
+    gradients_lib.disable_optimizer_reduction(optimizer)
+    variables = model.trainable_variables
+    options = None if config is None else _options(strategy,
+                                                   config.pack_bytes)
+    x = tf.random.stateless_normal((batch, width), seed=(0, 1))
+
+    def replica_fn(step):
+        del step
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        grads = tape.gradient(loss, variables)
+        if config is not None:
+            grads = _reduced(grads, options, config)
+        optimizer.apply(grads, variables)
+        return loss
 
     return _loop(strategy, replica_fn)
 
@@ -201,7 +247,11 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
       {"seconds_per_step", "rounds", "collectives_per_step", "wire_dtypes",
       "payload_bytes", "ring_bytes_per_worker", "pack_bytes", "dtype",
       "per_tensor", "speedup_vs_baseline": {"ratio", "low", "high",
-      "rounds"} (BASELINE's time / this one's; > 1 is faster)}}}.
+      "rounds"} (BASELINE's time / this one's; > 1 is faster)}},
+      "train_step": {"batch" (per replica), "layers", "compute_only_s":
+      seconds per training step without the all-reduce, "configs": {name
+      in TRAIN_STEP_CONFIGS: {"seconds_per_step", "rounds",
+      "speedup_vs_baseline"}}}}.
     """
     configs = tuple(configs)
     shapes = gradient_shapes(params)
@@ -212,12 +262,7 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
     for config in configs:
         loops[config.name] = _reduce_fn(strategy, shapes, config)
         loops[config.name](tf.constant(1))  # trace and warm up
-    times = {config.name: [] for config in configs}
-    for index in range(repeats):
-        # Rotated, identically on every worker (the collectives pair up).
-        shift = index % len(configs)
-        for config in configs[shift:] + configs[:shift]:
-            times[config.name].append(_time_once(loops[config.name], steps))
+    times = _rotated_rounds(loops, steps, repeats)
     results = {}
     for config in configs:
         loop = loops[config.name]
@@ -242,7 +287,45 @@ def measure(strategy, *, params: int = 10_000_000, steps: int = 3,
                 times[BASELINE], rounds)
     return {"params": num_params, "workers": workers,
             "gradient_tensors": len(shapes), "fill_only_s": fill_only,
-            "steps": steps, "repeats": repeats, "configs": results}
+            "steps": steps, "repeats": repeats, "configs": results,
+            "train_step": _measure_train_step(
+                strategy, shapes, [c for c in configs
+                                   if c.name in TRAIN_STEP_CONFIGS],
+                steps=steps, repeats=repeats)}
+
+
+def _rotated_rounds(loops, steps, repeats):
+    """{name: seconds per step of each round}: each round times every loop
+    of `loops` ({name: loop}) once, in an order rotated by the round,
+    identically on every worker (the collectives pair up)."""
+    names = list(loops)
+    times = {name: [] for name in names}
+    for index in range(repeats):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(_time_once(loops[name], steps))
+    return times
+
+
+def _measure_train_step(strategy, shapes, configs, *, steps, repeats):
+    """Seconds per whole training step with each of `configs`, paired
+    against one pack, and without any reduction ("compute_only_s")."""
+    loops = {"compute_only": _train_step_fn(strategy, shapes, None)}
+    for config in configs:
+        loops[config.name] = _train_step_fn(strategy, shapes, config)
+    for loop in loops.values():
+        loop(tf.constant(1))  # trace and warm up
+    times = _rotated_rounds(loops, steps, repeats)
+    results = {name: {"seconds_per_step": statistics.median(rounds),
+                      "rounds": rounds}
+               for name, rounds in times.items() if name != "compute_only"}
+    if BASELINE in times:
+        for name, result in results.items():
+            result["speedup_vs_baseline"] = stats.paired_ratio(
+                times[BASELINE], times[name])
+    return {"batch": TRAIN_STEP_BATCH, "layers": len(shapes) // 2,
+            "compute_only_s": statistics.median(times["compute_only"]),
+            "configs": results}
 
 
 def worker_main(*, params: int, steps: int, repeats: int) -> dict:
