@@ -1,7 +1,11 @@
 """Step overhead: Trainer vs a bare `tf.range` loop vs Keras `model.fit`.
 
     python -m tfmulti.bench.step_overhead [--replicas 4] [--steps 256]
-        [--repeats 5] [--budget_seconds S] [--ci_width 0.05] [--json]
+        [--repeats 5] [--model mlp|cnn] [--no_xla] [--no_fit]
+        [--budget_seconds S] [--ci_width 0.05] [--json]
+
+(The Trainer against the bare loop to +-1%: `--no_fit --no_xla --repeats
+200 --steps 128`, a few minutes.)
 
 One process, N simulated CPU replicas (MirroredStrategy), an MLP with two
 hidden layers of 64, global batch 64, Adam. Measures, in one run: a bare
@@ -207,7 +211,7 @@ def _timed(fit, *, name, steps, steady):
 
 def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         steps: int = 256, repeats: int = 5, model: str = "mlp",
-        xla: bool = True, steps_per_loop_1: bool = True,
+        xla: bool = True, steps_per_loop_1: bool = True, fit: bool = True,
         devices=None, budget_seconds: float | None = None,
         deadline: float | None = None, ci_width: float | None = None,
         min_rounds: int = 3, warmup: bool = True) -> dict:
@@ -234,7 +238,9 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
     "bare_loop_structure" names it.
     With `xla`, also the Trainer with `jit_compile=True`
     ("trainer_32_xla"), judged against the UNCOMPILED bare loop. Without
-    `steps_per_loop_1`, no "trainer_1" (no goal is judged by it).
+    `steps_per_loop_1`, no "trainer_1" (no goal is judged by it). Without
+    `fit`, no Keras `fit` variants: the Trainer against the bare loops
+    only, so that hundreds of rounds fit in minutes.
 
     Returns:
       {"bare_loop_32", "bare_loop_keras", "bare_loop_reduce_once",
@@ -265,10 +271,12 @@ def run(*, replicas: int = 4, batch: int = 64, width: int = 64,
         _bare_loop(strategy, dataset, build, steps, reduce_once=False),
         _bare_loop(strategy, dataset, build, steps, reduce_once=True),
         _trainer(strategy, dataset, build, steps, LOOP, name="trainer_32"),
-        _keras_fit(strategy, dataset, build, steps, name="keras_fit"),
-        _keras_fit(strategy, dataset, build, steps, name="tfmulti_fit_32",
-                   tfmulti_fit=True),
     ]
+    if fit:
+        variants += [
+            _keras_fit(strategy, dataset, build, steps, name="keras_fit"),
+            _keras_fit(strategy, dataset, build, steps,
+                       name="tfmulti_fit_32", tfmulti_fit=True)]
     if steps_per_loop_1:
         variants.append(_trainer(strategy, dataset, build, steps, 1,
                                  name="trainer_1"))
@@ -358,13 +366,19 @@ def main(argv=None):
                         "is narrower than this (high/low - 1)")
     parser.add_argument("--no_xla", action="store_true",
                         help="skip the XLA-compiled Trainer variant")
+    parser.add_argument("--no_fit", action="store_true",
+                        help="skip the Keras fit variants and the "
+                        "steps_per_loop=1 Trainer: the Trainer against the "
+                        "bare loops only")
     parser.add_argument("--json", action="store_true",
                         help="print the figures as one JSON line")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     figures = run(replicas=args.replicas, steps=args.steps,
                   repeats=args.repeats, model=args.model,
-                  xla=not args.no_xla, budget_seconds=args.budget_seconds,
+                  xla=not args.no_xla, fit=not args.no_fit,
+                  steps_per_loop_1=not args.no_fit,
+                  budget_seconds=args.budget_seconds,
                   ci_width=args.ci_width)
     if args.json:
         print(json.dumps(figures))
