@@ -360,9 +360,13 @@ def _assert_ctl_tutorial(run, golden, files):
     assert len(run["printed"]) == 3, run["printed"]
     # RMSprop divides by the root of its running mean square, which magnifies
     # the last-bit differences of a gradient summed over replicas where it
-    # is near 0: measured 4.2e-5 on 4 replicas, 7.3e-5 on 2 workers (the
-    # weights moved 0.024; the printed losses agree to 1e-6).
-    assert_close(run, golden, keys=("weights", "losses"), tol=1e-4)
+    # is near 0: measured 4.2e-5 on 4 replicas, 7.3e-5 on 2 workers, and
+    # 1.9e-4 on 2 workers in a suite run at load 4 (2 of 288 values of one
+    # conv output channel; the CPU kernels' sums are not bitwise the same
+    # from run to run). The weights moved 0.024, 48x the weights' bound; the
+    # printed losses agree to 1e-6 and are held to 1e-5.
+    assert_close(run, golden, keys=("losses",), tol=1e-5)
+    assert_close(run, golden, keys=("weights",), tol=5e-4)
     # One checkpoint (max_to_keep=1), the chief's; every `workertemp_<id>`
     # the tutorial's non-chief wrote is gone.
     assert not [f for f in files if "workertemp" in f], files
